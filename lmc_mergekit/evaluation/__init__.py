@@ -1,0 +1,1 @@
+"""Evaluation: comparing what models compute."""

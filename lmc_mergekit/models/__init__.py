@@ -1,0 +1,1 @@
+"""Model layer: the canonical view of a decoder-only transformer and the checkpoint adapters."""

@@ -1,0 +1,145 @@
+"""The adapter interface: one checkpoint layout in, the canonical view out, and back."""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
+from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView
+
+DEFAULT_SHARD_SIZE = 2 * 1024**3
+
+
+class Adapter(ABC):
+    """Maps one family of checkpoints to and from the canonical view.
+
+    All checkpoint key names and tensor layouts of the family live in its adapter.
+    """
+
+    #: ``model_type`` values in config.json that this adapter reads.
+    model_types: tuple[str, ...] = ()
+    #: config.json key holding the norm epsilon.
+    eps_key: str = ""
+
+    @abstractmethod
+    def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
+        """The structural facts of a model of this family."""
+
+    @abstractmethod
+    def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings: ...
+
+    @abstractmethod
+    def read_block(self, reader: CheckpointReader, spec: ModelSpec, index: int) -> Block: ...
+
+    @abstractmethod
+    def read_head(self, reader: CheckpointReader, spec: ModelSpec) -> Head: ...
+
+    @abstractmethod
+    def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors for the embeddings."""
+
+    @abstractmethod
+    def block_tensors(self, block: Block, spec: ModelSpec, index: int) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors for block ``index``."""
+
+    @abstractmethod
+    def head_tensors(self, head: Head, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors for the final norm and, unless tied, the LM head."""
+
+    def config_updates(self, spec: ModelSpec) -> dict:
+        """config.json entries that follow from ``spec`` (transforms may change these)."""
+        return {self.eps_key: spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings}
+
+    # ---- shared machinery -------------------------------------------------------------
+
+    def open(self, folder: Path, config: PretrainedConfig) -> CheckpointView:
+        """A lazy canonical view of the checkpoint in ``folder``."""
+        return CheckpointView(self, folder, self.spec_from_config(config))
+
+    def save(
+        self,
+        view: ModelView,
+        folder: Path,
+        source: Path,
+        max_shard_size: int = DEFAULT_SHARD_SIZE,
+        progress: bool = True,
+    ) -> ModelSpec:
+        """Write ``view`` as a stock checkpoint of this family into ``folder``, part by part.
+
+        ``source`` supplies config.json (updated from the view's spec) and the tokenizer and
+        generation-config files. Tied embeddings stay tied only where the written head still
+        equals the written embedding; otherwise the output is untied. Returns the written spec.
+        """
+        spec = view.spec
+        folder.mkdir(parents=True, exist_ok=True)
+        writer = ShardWriter(folder, max_shard_size)
+        writer.write(self.embeddings_tensors(view.embeddings(), spec))
+        for index in tqdm(
+            range(spec.num_layers), desc=f"writing {folder.name}", disable=not progress
+        ):
+            writer.write(self.block_tensors(view.block(index), spec, index))
+        head = view.head()
+        if spec.tied_embeddings and not torch.equal(head.weight, view.embeddings().tokens):
+            spec = replace(spec, tied_embeddings=False)
+        writer.write(self.head_tensors(head, spec))
+        writer.close()
+        with open(source / "config.json", encoding="utf-8") as fp:
+            config = json.load(fp)
+        config.update(self.config_updates(spec))
+        with open(folder / "config.json", "w", encoding="utf-8") as fp:
+            json.dump(config, fp, indent=2, sort_keys=True)
+            fp.write("\n")
+        copy_tagalong_files(source, folder)
+        return spec
+
+
+class CheckpointView:
+    """A :class:`ModelView` that reads each part from a checkpoint folder when asked."""
+
+    def __init__(self, adapter: Adapter, folder: Path, spec: ModelSpec):
+        self.adapter = adapter
+        self.folder = folder
+        self.spec = spec
+        self._reader = CheckpointReader(folder)
+
+    def embeddings(self) -> Embeddings:
+        return self.adapter.read_embeddings(self._reader, self.spec)
+
+    def block(self, index: int) -> Block:
+        if not 0 <= index < self.spec.num_layers:
+            raise IndexError(index)
+        return self.adapter.read_block(self._reader, self.spec, index)
+
+    def head(self) -> Head:
+        return self.adapter.read_head(self._reader, self.spec)
+
+
+def load_config(folder: Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The transformers config of ``folder``; remote code runs only if the user allowed it."""
+    try:
+        return AutoConfig.from_pretrained(
+            os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except ValueError as error:
+        raise LmcError(
+            f"cannot read the config of {folder}: {str(error).splitlines()[0]}"
+        ) from None
+
+
+def rotary_dims(config: PretrainedConfig, head_dim: int) -> int:
+    """Rotary dimensions per head from a config (transformers 5 ``rope_parameters`` or older)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    dims = int(head_dim * (1.0 if factor is None else factor))
+    if dims % 2:
+        raise LmcError(f"rotary dimensions per head are odd ({dims}); rotary pairs are undefined")
+    return dims

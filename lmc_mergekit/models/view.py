@@ -1,0 +1,190 @@
+"""The canonical view of a decoder-only transformer.
+
+Every linear weight is stored as torch's ``nn.Linear`` does, shape ``(out, in)``, computing
+``y = x Wᵀ + b`` on row vectors. Attention projections are unfused: ``q`` is ``(H·dh, d)``,
+``k`` and ``v`` are ``(Hkv·dh, d)``, ``o`` is ``(d, H·dh)``, heads contiguous. Rotary dimensions
+follow transformers' ``rotate_half`` layout: within each head, dimension ``j`` pairs with
+``j + rotary_dims/2`` for ``j < rotary_dims/2``; dimensions from ``rotary_dims`` on are not rotated.
+
+Nothing here knows checkpoint key names; the adapters map checkpoints to and from this view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Literal, Protocol
+
+import torch
+
+NormKind = Literal["layernorm", "rmsnorm"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Structural facts about a model, independent of its checkpoint layout."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dims: int
+    intermediate_size: int
+    vocab_size: int
+    norm: NormKind
+    norm_eps: float
+    parallel_residual: bool
+    gated_mlp: bool
+    activation: str
+    tied_embeddings: bool
+    learned_positions: int = 0
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def shape_summary(self) -> dict[str, int]:
+        """The sizes two models must share to be merged weight by weight."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rotary_dims": self.rotary_dims,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "learned_positions": self.learned_positions,
+        }
+
+
+@dataclass
+class Norm:
+    """A LayerNorm or RMSNorm's parameters; ``bias`` is None for RMSNorm."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class Attention:
+    """Unfused attention projections (see the module docstring for layouts)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class MLP:
+    """Feed-forward weights; ``gate`` is set for gated (SwiGLU-style) MLPs."""
+
+    up: torch.Tensor
+    down: torch.Tensor
+    gate: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
+@dataclass
+class Block:
+    """One transformer block: the attention reads through ``attn_norm``, the MLP through
+    ``mlp_norm`` (both read the residual stream directly when the residual is parallel)."""
+
+    attn_norm: Norm
+    attn: Attention
+    mlp_norm: Norm
+    mlp: MLP
+
+
+@dataclass
+class Embeddings:
+    """Token embedding ``(vocab, d)`` and learned positions ``(positions, d)`` if any."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
+@dataclass
+class Head:
+    """The final norm and the LM head ``(vocab, d)``."""
+
+    norm: Norm
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+def map_tensors(part, fn):
+    """A copy of a view part with ``fn`` applied to every tensor in it (None stays None)."""
+    changes = {}
+    for f in fields(part):
+        value = getattr(part, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = fn(value)
+        elif value is not None and hasattr(value, "__dataclass_fields__"):
+            changes[f.name] = map_tensors(value, fn)
+    return replace(part, **changes)
+
+
+def iter_tensors(part, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted field name, tensor) for every tensor in a view part."""
+    for f in fields(part):
+        value = getattr(part, f.name)
+        if isinstance(value, torch.Tensor):
+            yield prefix + f.name, value
+        elif value is not None and hasattr(value, "__dataclass_fields__"):
+            yield from iter_tensors(value, prefix + f.name + ".")
+
+
+class ModelView(Protocol):
+    """Read access to a model in canonical form, one part at a time.
+
+    A checkpoint-backed view loads each part on demand, so code written against this protocol
+    never needs more than one block in memory.
+    """
+
+    spec: ModelSpec
+
+    def embeddings(self) -> Embeddings: ...
+
+    def block(self, index: int) -> Block: ...
+
+    def head(self) -> Head: ...
+
+
+@dataclass
+class InMemoryView:
+    """A fully materialised model view."""
+
+    spec: ModelSpec
+    embeddings_: Embeddings
+    blocks: list[Block]
+    head_: Head
+
+    def embeddings(self) -> Embeddings:
+        return self.embeddings_
+
+    def block(self, index: int) -> Block:
+        return self.blocks[index]
+
+    def head(self) -> Head:
+        return self.head_
+
+
+def materialize(view: ModelView) -> InMemoryView:
+    """Load every part of a view into memory."""
+    return InMemoryView(
+        spec=view.spec,
+        embeddings_=view.embeddings(),
+        blocks=[view.block(i) for i in range(view.spec.num_layers)],
+        head_=view.head(),
+    )

@@ -1,0 +1,42 @@
+"""What every pre-merge pass receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergekit.options import MergeOptions
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.adapters import CheckpointView, open_model
+from lmc_mergekit.plugin.recipe import Section
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass gets: inputs (recipe order), where to write each, settings, mergekit options."""
+
+    method: str
+    inputs: tuple[Path, ...]
+    outputs: tuple[Path, ...]
+    settings: Section
+    options: MergeOptions
+
+    def open_inputs(self) -> list[CheckpointView]:
+        """Views of every input, refused unless they share one architecture and shape."""
+        views = [open_model(path, self.options.trust_remote_code) for path in self.inputs]
+        first = views[0]
+        for view in views[1:]:
+            if view.spec.architecture != first.spec.architecture:
+                raise LmcError(
+                    f"{self.method} needs models of one architecture: {first.folder.name} is "
+                    f"{first.spec.architecture}, {view.folder.name} is {view.spec.architecture}"
+                )
+            a, b = first.spec.shape_summary(), view.spec.shape_summary()
+            for key in a:
+                if a[key] != b[key]:
+                    raise LmcError(
+                        f"{self.method} needs models of one shape: {key} is {a[key]} in "
+                        f"{first.folder.name} but {b[key]} in {view.folder.name}"
+                    )
+        return views

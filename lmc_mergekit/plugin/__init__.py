@@ -1,0 +1,1 @@
+"""The mergekit-facing layer: method registration, recipes, the pre-merge pipeline, the CLI."""

@@ -1,0 +1,163 @@
+"""Recipe parsing: mergekit's own configuration plus one validated section per plugin method."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import yaml
+from mergekit.config import MergeConfiguration
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lmc_mergekit.errors import LmcError
+
+
+class Section(BaseModel):
+    """A plugin section: unknown keys are errors (mergekit silently ignores them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class AlignmentSettings(Section):
+    """``alignment:`` for ``lmc_dm``."""
+
+    matching: Literal["none", "weights", "learned"] = Field(
+        "learned",
+        description="none: merge the raw checkpoints (the baseline); weights: weight matching; "
+        "learned: dual learned matching",
+    )
+    seed: int = Field(0, description="random seed of the alignment")
+
+
+class SubcloneSettings(Section):
+    """``subclone:`` for ``subclone_compensate``."""
+
+    hidden_size: int | None = Field(None, gt=0)
+    num_hidden_layers: int | None = Field(None, gt=0)
+    num_attention_heads: int | None = Field(None, gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)
+    target_config: str | None = Field(None, description="config.json of the target shape")
+    data: str | None = Field(None, description="calibration text (default: the bundled corpus)")
+    compensate: bool = True
+    rescale: Literal["none", "o_down", "all"] = "o_down"
+    selection: Literal["weight_norm", "random"] = "weight_norm"
+
+    @model_validator(mode="after")
+    def _needs_target(self) -> SubcloneSettings:
+        shape = (
+            self.hidden_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.intermediate_size,
+        )
+        if self.target_config is None and all(value is None for value in shape):
+            raise ValueError("name a target shape (hidden_size, ...) or a target_config")
+        return self
+
+
+class LatentSettings(Section):
+    """``latent:`` for ``ls_merge``."""
+
+    compression_ratio: float = Field(1.6, ge=1.0, le=16.0)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PluginMethod:
+    name: str
+    section: str
+    settings: type[Section]
+
+
+PLUGIN_METHODS = {
+    m.name: m
+    for m in (
+        PluginMethod("lmc_dm", "alignment", AlignmentSettings),
+        PluginMethod("subclone_compensate", "subclone", SubcloneSettings),
+        PluginMethod("ls_merge", "latent", LatentSettings),
+    )
+}
+SECTION_OWNERS = {m.section: m.name for m in PLUGIN_METHODS.values()}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed recipe: the user's text, mergekit's config and the plugin settings (if any)."""
+
+    source: str
+    config: MergeConfiguration
+    settings: Section | None
+
+    @property
+    def plugin_method(self) -> PluginMethod | None:
+        return PLUGIN_METHODS.get(self.config.merge_method)
+
+
+def parse_recipe(text: str) -> Recipe:
+    """Parse recipe text; local model paths (relative to the working directory) become absolute."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise LmcError(f"recipe is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise LmcError("recipe must be a YAML mapping with at least merge_method and models")
+    method = PLUGIN_METHODS.get(raw.get("merge_method"))
+    settings = None
+    for section, owner in SECTION_OWNERS.items():
+        if section in raw and (method is None or method.section != section):
+            raise LmcError(
+                f"recipe section '{section}:' belongs to merge_method: {owner}, but this recipe "
+                f"uses {raw.get('merge_method')!r}; remove the section or change the method"
+            )
+    if method is not None:
+        body = raw.pop(method.section, None) or {}
+        if not isinstance(body, dict):
+            raise LmcError(f"recipe section '{method.section}:' must be a mapping of settings")
+        settings = _validated(method.settings, body, f"'{method.section}:'")
+    _absolutize_local_paths(raw)
+    try:
+        config = MergeConfiguration.model_validate(raw)
+    except ValidationError as error:
+        raise LmcError(f"invalid recipe: {_first_error(error)}") from None
+    return Recipe(source=text, config=config, settings=settings)
+
+
+def _validated(model: type[Section], body: dict, where: str) -> Section:
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        allowed = ", ".join(model.model_fields)
+        detail = error.errors()[0]
+        if detail["type"] == "extra_forbidden":
+            raise LmcError(
+                f"recipe section {where}: unknown key {detail['loc'][0]!r} (allowed: {allowed})"
+            ) from None
+        raise LmcError(f"recipe section {where}: {_first_error(error)}") from None
+
+
+def _first_error(error: ValidationError) -> str:
+    detail = error.errors()[0]
+    where = ".".join(str(part) for part in detail["loc"])
+    return f"{where}: {detail['msg']}" if where else detail["msg"]
+
+
+def _absolutize(value):
+    if isinstance(value, str) and os.path.exists(os.path.expanduser(value)):
+        return os.path.abspath(os.path.expanduser(value))
+    return value
+
+
+def _absolutize_local_paths(raw: dict) -> None:
+    """Absolute local paths keep mergekit's card writer from asking the Hub about them."""
+    if "base_model" in raw:
+        raw["base_model"] = _absolutize(raw["base_model"])
+    for entry in raw.get("models") or []:
+        if isinstance(entry, dict) and "model" in entry:
+            entry["model"] = _absolutize(entry["model"])
+    for piece in raw.get("slices") or []:
+        for source in (piece or {}).get("sources") or []:
+            if isinstance(source, dict) and "model" in source:
+                source["model"] = _absolutize(source["model"])

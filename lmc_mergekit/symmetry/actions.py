@@ -1,0 +1,259 @@
+"""Applying a :class:`Transform` to a model view, one part at a time.
+
+Every action is computed in float64 and cast back to the source dtype. See the transform module
+for the order of operations and the reference notes (§2) for the algebra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.view import (
+    MLP,
+    Attention,
+    Block,
+    Embeddings,
+    Head,
+    ModelSpec,
+    ModelView,
+    Norm,
+    iter_tensors,
+    map_tensors,
+)
+from lmc_mergekit.symmetry.transform import LayerTransform, Transform, kv_permutation
+
+# A LayerNorm bias kept in the norm is divided by the gain; refuse gains this close to zero.
+MIN_GAIN = 1e-6
+
+
+def apply_transform(view: ModelView, transform: Transform) -> TransformedView:
+    """The view of ``view`` moved by ``transform`` (lazy: parts are transformed when read)."""
+    transform.check_fits(view.spec)
+    return TransformedView(view, transform)
+
+
+class TransformedView:
+    """A :class:`ModelView` whose parts are those of ``source`` moved by ``transform``."""
+
+    def __init__(self, source: ModelView, transform: Transform):
+        self.source = source
+        self.transform = transform
+        # Norms normalise away a global scale g exactly when their eps scales by g².
+        self.spec: ModelSpec = replace(
+            source.spec, norm_eps=source.spec.norm_eps * transform.scale**2
+        )
+
+    def embeddings(self) -> Embeddings:
+        return _in_float64(
+            self.source.embeddings(), lambda e: transform_embeddings(e, self.transform)
+        )
+
+    def block(self, index: int) -> Block:
+        return _in_float64(
+            self.source.block(index),
+            lambda b: transform_block(b, self.source.spec, self.transform, index),
+        )
+
+    def head(self) -> Head:
+        return _in_float64(self.source.head(), lambda h: transform_head(h, self.transform))
+
+
+def _in_float64(part, fn):
+    dtype = next(t for _, t in iter_tensors(part)).dtype
+    out = fn(map_tensors(part, lambda t: t.double() if t.is_floating_point() else t))
+    return map_tensors(out, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+# ---- the parts --------------------------------------------------------------------------
+
+
+def transform_embeddings(emb: Embeddings, t: Transform) -> Embeddings:
+    """Embeddings write the residual stream: ``E ← g·E·Q``."""
+    return Embeddings(
+        tokens=_write(emb.tokens, t),
+        positions=None if emb.positions is None else _write(emb.positions, t),
+    )
+
+
+def transform_head(head: Head, t: Transform) -> Head:
+    """The LM head reads through the final norm."""
+    norm, (weight, bias) = head.norm, (head.weight, head.bias)
+    if t.absorb_norms:
+        norm, [(weight, bias)] = absorb_norm(norm, [(weight, bias)])
+    norm, [(weight, bias)] = _rotate_readers(norm, [(weight, bias)], t.rotation)
+    return Head(norm=norm, weight=weight, bias=bias)
+
+
+def transform_block(block: Block, spec: ModelSpec, t: Transform, index: int) -> Block:
+    """Move one block by the residual part of ``t`` and by its layer part ``t.layers[index]``."""
+    a, m = block.attn, block.mlp
+    attn_norm, mlp_norm = block.attn_norm, block.mlp_norm
+    attn_readers = [(a.q, a.q_bias), (a.k, a.k_bias), (a.v, a.v_bias)]
+    mlp_readers = [(m.up, m.up_bias)] + ([(m.gate, m.gate_bias)] if m.gate is not None else [])
+    if t.absorb_norms:
+        attn_norm, attn_readers = absorb_norm(attn_norm, attn_readers)
+        mlp_norm, mlp_readers = absorb_norm(mlp_norm, mlp_readers)
+    attn_norm, attn_readers = _rotate_readers(attn_norm, attn_readers, t.rotation)
+    mlp_norm, mlp_readers = _rotate_readers(mlp_norm, mlp_readers, t.rotation)
+    (q, q_bias), (k, k_bias), (v, v_bias) = attn_readers
+    (up, up_bias), *gated = mlp_readers
+    gate, gate_bias = gated[0] if gated else (None, None)
+    o, o_bias = _write_linear(a.o, a.o_bias, t)
+    down, down_bias = _write_linear(m.down, m.down_bias, t)
+    block = Block(
+        attn_norm=attn_norm,
+        attn=Attention(q, k, v, o, q_bias, k_bias, v_bias, o_bias),
+        mlp_norm=mlp_norm,
+        mlp=MLP(
+            up=up, down=down, gate=gate, up_bias=up_bias, gate_bias=gate_bias, down_bias=down_bias
+        ),
+    )
+    return apply_layer_transform(block, spec, t.layers[index])
+
+
+def apply_layer_transform(block: Block, spec: ModelSpec, layer: LayerTransform) -> Block:
+    """Head and FFN permutations, then QK and OV maps, on one block."""
+    attn, mlp = block.attn, block.mlp
+    if layer.head_perm is not None:
+        attn = permute_heads(attn, spec, layer.head_perm)
+    if layer.ffn_perm is not None:
+        mlp = permute_ffn(mlp, layer.ffn_perm)
+    if layer.qk is not None:
+        attn = apply_qk_maps(attn, spec, layer.qk.double())
+    if layer.ov is not None:
+        attn = apply_ov_maps(attn, spec, layer.ov.double())
+    return replace(block, attn=attn, mlp=mlp)
+
+
+# ---- norms and the residual stream --------------------------------------------------------
+
+Reader = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def absorb_norm(norm: Norm, readers: list[Reader]) -> tuple[Norm, list[Reader]]:
+    """Fold the norm's gain (and, where every reader has a bias, its bias) into its readers.
+
+    ``W ← W·diag(γ)``, ``b ← b + W·β``, then ``γ ← 1, β ← 0``. A LayerNorm bias that cannot be
+    folded (a reader without bias, e.g. the LM head) stays in the norm as ``β/γ``.
+    """
+    gain, bias = norm.weight, norm.bias
+    fold_bias = bias is not None and all(b is not None for _, b in readers)
+    new_readers = []
+    for weight, reader_bias in readers:
+        if fold_bias:
+            reader_bias = reader_bias + weight @ bias
+        new_readers.append((weight * gain, reader_bias))
+    new_bias = None
+    if bias is not None:
+        if fold_bias:
+            new_bias = torch.zeros_like(bias)
+        else:
+            tiny = (gain.abs() < MIN_GAIN) & (bias != 0)
+            if tiny.any():
+                channel = int(tiny.nonzero()[0])
+                raise LmcError(
+                    f"norm gain is ~0 at channel {channel} where its bias is not; cannot absorb "
+                    "this norm (its bias would have to be divided by the gain)"
+                )
+            new_bias = torch.where(gain.abs() < MIN_GAIN, torch.zeros_like(bias), bias / gain)
+    return Norm(weight=torch.ones_like(gain), bias=new_bias), new_readers
+
+
+def _rotate_readers(
+    norm: Norm, readers: list[Reader], rotation: torch.Tensor | None
+) -> tuple[Norm, list[Reader]]:
+    """Readers of ``x·Q``: ``W ← W·Q``; a bias kept in the (absorbed) norm turns with the stream."""
+    if rotation is None:
+        return norm, readers
+    q = rotation.double()
+    bias = None if norm.bias is None else norm.bias @ q
+    return Norm(norm.weight, bias), [(w @ q, b) for w, b in readers]
+
+
+def _write(x: torch.Tensor, t: Transform) -> torch.Tensor:
+    """Rows written into the residual stream: ``x ← g·x·Q``."""
+    if t.rotation is not None:
+        x = x @ t.rotation.double()
+    return x * t.scale if t.scale != 1.0 else x
+
+
+def _write_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, t: Transform
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear writing the residual stream: ``W ← g·Qᵀ·W``, ``b ← g·b·Q``."""
+    return _write(weight.T, t).T, None if bias is None else _write(bias, t)
+
+
+# ---- heads and neurons --------------------------------------------------------------------
+
+
+def _by_head(weight: torch.Tensor | None, heads: int, perm: torch.Tensor) -> torch.Tensor | None:
+    if weight is None:
+        return None
+    return weight.reshape(heads, -1, *weight.shape[1:])[perm].reshape(weight.shape)
+
+
+def permute_heads(attn: Attention, spec: ModelSpec, head_perm: torch.Tensor) -> Attention:
+    """Reorder query heads by ``head_perm`` and key/value heads by the implied group order."""
+    kv = kv_permutation(head_perm, spec.num_kv_heads)
+    h, hkv = spec.num_heads, spec.num_kv_heads
+    d = attn.o.shape[0]
+    o = attn.o.reshape(d, h, -1)[:, head_perm].reshape(d, -1)
+    return Attention(
+        q=_by_head(attn.q, h, head_perm),
+        k=_by_head(attn.k, hkv, kv),
+        v=_by_head(attn.v, hkv, kv),
+        o=o,
+        q_bias=_by_head(attn.q_bias, h, head_perm),
+        k_bias=_by_head(attn.k_bias, hkv, kv),
+        v_bias=_by_head(attn.v_bias, hkv, kv),
+        o_bias=attn.o_bias,
+    )
+
+
+def permute_ffn(mlp: MLP, perm: torch.Tensor) -> MLP:
+    """Reorder hidden neurons: rows of up/gate (and biases), columns of down."""
+
+    def rows(x):
+        return None if x is None else x[perm]
+
+    return MLP(
+        up=rows(mlp.up),
+        down=mlp.down[:, perm],
+        gate=rows(mlp.gate),
+        up_bias=rows(mlp.up_bias),
+        gate_bias=rows(mlp.gate_bias),
+        down_bias=mlp.down_bias,
+    )
+
+
+def apply_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
+    """``q ← q·M_j`` for every query head of group ``j`` and ``k_j ← k_j·M_j⁻ᵀ``."""
+    hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
+    inv = torch.linalg.inv(maps)
+    q = torch.einsum("jba,jgbd->jgad", maps, attn.q.reshape(hkv, g, dh, -1))
+    k = torch.einsum("jab,jbd->jad", inv, attn.k.reshape(hkv, dh, -1))
+    q_bias = k_bias = None
+    if attn.q_bias is not None:
+        q_bias = torch.einsum("jgb,jba->jga", attn.q_bias.reshape(hkv, g, dh), maps).reshape(-1)
+    if attn.k_bias is not None:
+        k_bias = torch.einsum("jb,jab->ja", attn.k_bias.reshape(hkv, dh), inv).reshape(-1)
+    return replace(
+        attn, q=q.reshape(attn.q.shape), k=k.reshape(attn.k.shape), q_bias=q_bias, k_bias=k_bias
+    )
+
+
+def apply_ov_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
+    """``v_j ← v_j·N_j`` and every output block of group ``j`` by ``N_j⁻ᵀ``."""
+    hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
+    inv = torch.linalg.inv(maps)
+    v = torch.einsum("jba,jbd->jad", maps, attn.v.reshape(hkv, dh, -1))
+    d = attn.o.shape[0]
+    o = torch.einsum("djgb,jab->djga", attn.o.reshape(d, hkv, g, dh), inv)
+    v_bias = None
+    if attn.v_bias is not None:
+        v_bias = torch.einsum("jb,jba->ja", attn.v_bias.reshape(hkv, dh), maps).reshape(-1)
+    return replace(attn, v=v.reshape(attn.v.shape), o=o.reshape(d, -1), v_bias=v_bias)

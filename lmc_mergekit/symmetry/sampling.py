@@ -1,0 +1,93 @@
+"""Random group elements: used by ``scramble`` and by the tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from scipy.linalg import null_space
+from scipy.stats import ortho_group
+
+from lmc_mergekit.models.view import ModelSpec
+from lmc_mergekit.symmetry.rope import rope_map_from_pairs
+from lmc_mergekit.symmetry.transform import LayerTransform, Transform
+
+
+def ones_fixing_rotation(inner: torch.Tensor) -> torch.Tensor:
+    """``Q = 11ᵀ/d + U·Q'·Uᵀ`` for an orthogonal ``Q'`` of size d-1: an orthogonal map of R^d
+    that fixes the all-ones vector, so it commutes with LayerNorm."""
+    d = inner.shape[0] + 1
+    basis = torch.from_numpy(null_space(torch.ones(1, d, dtype=torch.float64).numpy()))
+    return torch.full((d, d), 1.0 / d, dtype=torch.float64) + basis @ inner.double() @ basis.T
+
+
+def random_orthogonal(d: int, generator: torch.Generator, fix_ones: bool = False) -> torch.Tensor:
+    """A Haar-random orthogonal d×d matrix (restricted to fix the all-ones vector if asked)."""
+    size = d - 1 if fix_ones else d
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    q = torch.from_numpy(ortho_group.rvs(size, random_state=seed)) if size > 1 else torch.eye(size)
+    return ones_fixing_rotation(q) if fix_ones else q.double()
+
+
+def random_well_conditioned(
+    shape: tuple[int, ...], n: int, generator: torch.Generator, condition: float = 4.0
+) -> torch.Tensor:
+    """Random invertible n×n maps ``U·diag(s)·Vᵀ`` with singular values in [1/√c, √c]."""
+    count = math.prod(shape)
+    us = [random_orthogonal(n, generator) for _ in range(2 * count)]
+    log_s = (torch.rand(count, n, generator=generator, dtype=torch.float64) - 0.5) * math.log(
+        condition
+    )
+    maps = torch.stack(
+        [us[2 * i] @ torch.diag(log_s[i].exp()) @ us[2 * i + 1] for i in range(count)]
+    )
+    return maps.reshape(*shape, n, n)
+
+
+def random_rope_maps(
+    count: int, head_dim: int, rotary_dims: int, generator: torch.Generator, condition: float = 4.0
+) -> torch.Tensor:
+    """Random invertible maps that commute with RoPE (scaled rotations on the rotary pairs)."""
+    half = rotary_dims // 2
+    log_range = math.log(condition)
+    scales = (
+        (torch.rand(count, half, generator=generator, dtype=torch.float64) - 0.5) * log_range
+    ).exp()
+    angles = torch.rand(count, half, generator=generator, dtype=torch.float64) * 2 * math.pi
+    rest = head_dim - rotary_dims
+    free = random_well_conditioned((count,), rest, generator, condition) if rest else None
+    return rope_map_from_pairs(scales, angles, free)
+
+
+def random_head_perm(spec: ModelSpec, generator: torch.Generator) -> torch.Tensor:
+    """A random query-head permutation that keeps key/value groups whole."""
+    g = spec.group_size
+    groups = torch.randperm(spec.num_kv_heads, generator=generator)
+    within = torch.stack([torch.randperm(g, generator=generator) for _ in range(spec.num_kv_heads)])
+    return (groups[:, None] * g + within).reshape(-1)
+
+
+def random_transform(
+    spec: ModelSpec, seed: int = 0, scale_range: tuple[float, float] = (0.5, 2.0)
+) -> Transform:
+    """A random element of every symmetry ``spec`` admits: rotation, scale, permutations, maps."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = (math.log(x) for x in scale_range)
+    scale = math.exp(low + (high - low) * float(torch.rand(1, generator=gen)))
+    layers = []
+    for _ in range(spec.num_layers):
+        layers.append(
+            LayerTransform(
+                head_perm=random_head_perm(spec, gen),
+                ffn_perm=torch.randperm(spec.intermediate_size, generator=gen),
+                qk=random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, gen),
+                ov=random_well_conditioned((spec.num_kv_heads,), spec.head_dim, gen),
+            )
+        )
+    return Transform(
+        num_layers=spec.num_layers,
+        absorb_norms=True,
+        rotation=random_orthogonal(spec.hidden_size, gen, fix_ones=spec.norm == "layernorm"),
+        scale=scale,
+        layers=tuple(layers),
+    )

@@ -1,0 +1,37 @@
+"""Moving a checkpoint folder by a symmetry, checked before anything is kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmc_mergekit.evaluation.selfcheck import check_same_function
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
+from lmc_mergekit.models.view import ModelSpec
+from lmc_mergekit.staging import staged_output
+from lmc_mergekit.symmetry import Transform, apply_transform
+
+
+def transform_checkpoint(
+    source: str | Path,
+    out: str | Path,
+    transform: Transform,
+    *,
+    max_shard_size: int = DEFAULT_SHARD_SIZE,
+    tolerance: float | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> tuple[ModelSpec, float]:
+    """Write ``source`` moved by ``transform`` to ``out`` as a stock checkpoint.
+
+    The result is written shard by shard into a staging folder, reloaded through
+    ``transformers`` and compared with the source (see :mod:`lmc_mergekit.evaluation.selfcheck`);
+    only then is it renamed to ``out``. Returns the written spec and the measured logits error.
+    """
+    view = open_model(source, trust_remote_code)
+    moved = apply_transform(view, transform)
+    with staged_output(out, overwrite) as staging:
+        spec = view.adapter.save(moved, staging, view.folder, max_shard_size, progress)
+        error = check_same_function(view.folder, staging, tolerance, trust_remote_code)
+    return spec, error

@@ -1,0 +1,159 @@
+"""The command-line tools end to end: real files, the real mergekit executor, transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from tiny_models import build_model, logits, probe_ids
+
+from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+
+
+def run_yaml(recipe: dict, tmp_path: Path, out: Path, *extra: str):
+    path = tmp_path / f"recipe-{len(list(tmp_path.glob('recipe-*')))}.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    return CliRunner().invoke(mergekit_yaml_main, [str(path), str(out), "--quiet", *extra])
+
+
+def two_models(kind: str, root: Path) -> tuple[Path, Path]:
+    return build_model(kind, root / "a", seed=1), build_model(kind, root / "b", seed=2)
+
+
+def linear_recipe(a: Path, b: Path, method: str = "linear", **extra) -> dict:
+    return {
+        "merge_method": method,
+        "models": [
+            {"model": str(a), "parameters": {"weight": 0.3}},
+            {"model": str(b), "parameters": {"weight": 0.7}},
+        ],
+        "dtype": "float32",
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox_partial_rotary_parallel", "llama"])
+def test_builtin_linear_merge_loads(tmp_path, kind):
+    a, b = two_models(kind, tmp_path)
+    result = run_yaml(linear_recipe(a, b), tmp_path, tmp_path / "merged")
+    assert result.exit_code == 0, result.output
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, 0.3 * wa[name] + 0.7 * wb[name])
+    assert logits(tmp_path / "merged", probe_ids()).shape[-1] == 96
+    assert (tmp_path / "merged" / "README.md").is_file()
+
+
+def test_scramble_writes_an_equivalent_model(model_dirs, tmp_path):
+    for kind in ("gpt_neox_partial_rotary_parallel", "qwen2_gqa_bias_tied", "gpt2_tied"):
+        out = tmp_path / kind
+        result = CliRunner().invoke(
+            main, ["scramble", str(model_dirs[kind]), str(out), "--seed", "7"]
+        )
+        assert result.exit_code == 0, result.output
+        assert "self-check" in result.output
+        torch.testing.assert_close(
+            logits(out, probe_ids()), logits(model_dirs[kind], probe_ids()), atol=5e-5, rtol=0
+        )
+
+
+def test_lmc_dm_pipeline_with_cache_and_card(tmp_path):
+    a, b = two_models("llama", tmp_path)
+    cache = tmp_path / "cache"
+    recipe = linear_recipe(a, b, "lmc_dm", alignment={"matching": "none"})
+    result = run_yaml(recipe, tmp_path, tmp_path / "dm", "--lmc-cache", str(cache))
+    assert result.exit_code == 0, result.output
+    # Unaligned, lmc_dm is exactly mergekit's linear merge of the same weights.
+    assert run_yaml(linear_recipe(a, b), tmp_path, tmp_path / "lin").exit_code == 0
+    dm, lin = (load_file(tmp_path / n / "model.safetensors") for n in ("dm", "lin"))
+    assert dm.keys() == lin.keys() and all(torch.equal(dm[k], lin[k]) for k in dm)
+    card = (tmp_path / "dm" / "README.md").read_text()
+    assert "Pre-merge pass (lmc-mergekit)" in card and str(a) in card and "lmc_dm" in card
+    assert yaml.safe_load((tmp_path / "dm" / "mergekit_config.yml").read_text())["alignment"]
+    # A rerun reuses the prepared shards instead of rewriting them.
+    prepared = sorted(cache.glob("lmc_dm/*/model-0/*.safetensors"))
+    assert len(prepared) == 1
+    stamp = prepared[0].stat().st_mtime_ns
+    again = run_yaml(recipe, tmp_path, tmp_path / "dm", "--lmc-cache", str(cache), "--overwrite")
+    assert again.exit_code == 0, again.output
+    assert prepared[0].stat().st_mtime_ns == stamp
+    provenance = json.loads((prepared[0].parent / "lmc_prepared.json").read_text())
+    assert provenance["method"] == "lmc_dm" and provenance["source"] == str(a)
+
+
+def test_plugin_methods_refuse_raw_inputs_under_plain_mergekit(tmp_path):
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import MergeOptions, run_merge
+
+    a, b = two_models("llama", tmp_path)
+    config = MergeConfiguration.model_validate(linear_recipe(a, b, "lmc_dm"))
+    with pytest.raises(Exception, match="did not come out of lmc_dm's pre-merge pass"):
+        run_merge(config, str(tmp_path / "out"), MergeOptions(quiet=True, write_model_card=False))
+
+
+def test_registration_is_idempotent():
+    import importlib
+
+    from mergekit import merge_methods
+
+    import lmc_mergekit
+
+    importlib.reload(lmc_mergekit)
+    names = [m.spec.name for m in merge_methods.registered_methods()]
+    assert all(names.count(n) == 1 for n in ("lmc_dm", "subclone_compensate", "ls_merge"))
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (
+            lambda r: r.update(alignment={"stpes": 3}),
+            "unknown key 'stpes' (allowed: matching, seed)",
+        ),
+        (lambda r: r.update(alignment={"matching": "magic"}), "matching: Input should be"),
+        (
+            lambda r: r.update(merge_method="linear", alignment={}),
+            "belongs to merge_method: lmc_dm",
+        ),
+        (lambda r: r["models"][1].update(model="/no/such/model"), "does not exist"),
+        (lambda r: r.update(alignment={"matching": "learned"}), "not implemented yet"),
+    ],
+)
+def test_bad_recipes_fail_in_one_line_and_leave_nothing(tmp_path, change, needle):
+    a, b = two_models("llama", tmp_path)
+    recipe = linear_recipe(a, b, "lmc_dm", alignment={"matching": "none"})
+    change(recipe)
+    out = tmp_path / "out"
+    result = run_yaml(recipe, tmp_path, out)
+    assert result.exit_code == 1
+    assert needle in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_models_of_different_shapes_or_architectures(tmp_path):
+    a = build_model("llama", tmp_path / "a")
+    wide = build_model("llama", tmp_path / "wide", intermediate_size=64)
+    neox = build_model("gpt_neox_partial_rotary_parallel", tmp_path / "neox")
+    for other, needle in ((wide, "intermediate_size is 80"), (neox, "one architecture")):
+        result = run_yaml(
+            linear_recipe(a, other, "lmc_dm", alignment={"matching": "none"}),
+            tmp_path,
+            tmp_path / "out",
+        )
+        assert result.exit_code == 1 and needle in result.output, result.output
+        assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    a, b = two_models("llama", tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = run_yaml(linear_recipe(a, b), tmp_path, tmp_path / "out")
+    assert result.exit_code == 1 and "--overwrite" in result.output
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"

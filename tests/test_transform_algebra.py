@@ -1,0 +1,109 @@
+"""The group structure of transforms: composition, inversion, files, and refusal of elements
+that are not symmetries of the model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.view import iter_tensors, materialize
+from lmc_mergekit.plugin.cli import main
+from lmc_mergekit.symmetry import LayerTransform, Transform, apply_transform, random_transform
+from lmc_mergekit.symmetry.sampling import random_orthogonal
+from lmc_mergekit.symmetry.transform import load_transform, save_transform
+
+
+def assert_views_close(a, b, atol=1e-9):
+    for i in range(a.spec.num_layers):
+        for (name, x), (_, y) in zip(
+            iter_tensors(a.block(i)), iter_tensors(b.block(i)), strict=True
+        ):
+            torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=f"block {i} {name}")
+    for part in ("embeddings", "head"):
+        for (name, x), (_, y) in zip(
+            iter_tensors(getattr(a, part)()), iter_tensors(getattr(b, part)()), strict=True
+        ):
+            torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=f"{part} {name}")
+
+
+@pytest.fixture
+def view64(model_dirs):
+    """A float64 copy of the GQA Qwen2 view, so that algebra checks can be tight."""
+    from lmc_mergekit.models.view import map_tensors
+
+    view = materialize(open_model(model_dirs["qwen2_gqa_bias_tied"]))
+    view.embeddings_ = map_tensors(view.embeddings_, torch.Tensor.double)
+    view.blocks = [map_tensors(b, torch.Tensor.double) for b in view.blocks]
+    view.head_ = map_tensors(view.head_, torch.Tensor.double)
+    return view
+
+
+def test_composition_equals_sequential_application(view64):
+    a, b = random_transform(view64.spec, 1), random_transform(view64.spec, 2)
+    sequential = materialize(apply_transform(materialize(apply_transform(view64, a)), b))
+    assert_views_close(sequential, apply_transform(view64, a.then(b)))
+
+
+def test_inverse_undoes_up_to_absorption(view64):
+    t = random_transform(view64.spec, 3)
+    round_trip = materialize(apply_transform(materialize(apply_transform(view64, t)), t.inverse()))
+    absorbed = apply_transform(view64, Transform(view64.spec.num_layers, absorb_norms=True))
+    assert_views_close(round_trip, absorbed)
+    assert round_trip.spec.norm_eps == pytest.approx(view64.spec.norm_eps)
+
+
+def test_save_and_load_round_trip(tmp_path, view64):
+    t = random_transform(view64.spec, 4)
+    save_transform(t, tmp_path / "t.safetensors")
+    loaded = load_transform(tmp_path / "t.safetensors")
+    assert loaded.scale == t.scale and loaded.absorb_norms
+    assert torch.equal(loaded.rotation, t.rotation)
+    for x, y in zip(loaded.layers, t.layers, strict=True):
+        assert torch.equal(x.head_perm, y.head_perm) and torch.equal(x.qk, y.qk)
+    assert_views_close(apply_transform(view64, loaded), apply_transform(view64, t))
+
+
+def test_refuses_elements_that_are_not_symmetries(model_dirs):
+    llama = open_model(model_dirs["llama_gqa_tied"]).spec
+    neox = open_model(model_dirs["gpt_neox_partial_rotary_parallel"]).spec
+    good = random_transform(llama, 0)
+    cases = {
+        "layers": replace(good, num_layers=3, layers=(LayerTransform(),) * 3),
+        "not orthogonal": replace(good, rotation=good.rotation * 1.01),
+        "between key/value groups": replace(
+            good, layers=(LayerTransform(head_perm=torch.tensor([1, 3, 2, 0, 4, 5])),) * 2
+        ),
+        "commute with RoPE": replace(
+            good,
+            layers=(LayerTransform(qk=torch.eye(8).repeat(2, 1, 1) + 0.1 * torch.rand(2, 8, 8)),)
+            * 2,
+        ),
+        "permutation": replace(
+            good, layers=(LayerTransform(ffn_perm=torch.zeros(80, dtype=torch.long)),) * 2
+        ),
+    }
+    for needle, t in cases.items():
+        with pytest.raises(LmcError, match=needle):
+            t.check_fits(llama)
+    general = Transform(
+        neox.num_layers, rotation=random_orthogonal(neox.hidden_size, torch.Generator())
+    )
+    with pytest.raises(LmcError, match="all-ones"):
+        general.check_fits(neox)
+
+
+def test_transform_command_refuses_a_file_for_another_model(model_dirs, tmp_path):
+    neox = open_model(model_dirs["gpt_neox_partial_rotary_parallel"]).spec
+    save_transform(random_transform(neox, 0), tmp_path / "t.safetensors")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main, ["transform", str(model_dirs["llama"]), str(tmp_path / "t.safetensors"), str(out)]
+    )
+    assert result.exit_code == 1
+    assert "hidden size" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())

@@ -1,0 +1,137 @@
+"""Tiny random checkpoints of every supported architecture, built in code for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 96
+
+# name -> (model class, config class, config kwargs); sizes stay tiny so each case takes < 1 s.
+VARIANTS = {
+    "gpt_neox_partial_rotary_parallel": (
+        GPTNeoXForCausalLM,
+        GPTNeoXConfig,
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=96,
+            rotary_pct=0.25,
+            use_parallel_residual=True,
+        ),
+    ),
+    "gpt_neox_sequential_full_rotary": (
+        GPTNeoXForCausalLM,
+        GPTNeoXConfig,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=96,
+            rotary_pct=1.0,
+            use_parallel_residual=False,
+        ),
+    ),
+    "llama": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=80,
+        ),
+    ),
+    "llama_gqa_tied": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral_gqa": (
+        MistralForCausalLM,
+        MistralConfig,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            sliding_window=None,
+        ),
+    ),
+    "qwen2_gqa_bias_tied": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gpt2_tied": (
+        GPT2LMHeadModel,
+        GPT2Config,
+        dict(n_embd=48, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0),
+    ),
+}
+
+
+def build_model(variant: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of ``variant`` into ``folder``.
+
+    Norm gains and biases are randomised too (a fresh model has gains 1 and biases 0, which
+    would hide any mistake in norm absorption), and weights are larger than the default init so
+    that logits are far from uniform.
+    """
+    model_cls, config_cls, kwargs = VARIANTS[variant]
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=VOCAB, **{**kwargs, **overrides})
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            elif param.ndim == 1:  # norm gains
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return folder
+
+
+def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    """float32 logits of a saved checkpoint, loaded through transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def probe_ids(seed: int = 0, shape: tuple[int, int] = (2, 24)) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
