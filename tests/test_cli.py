@@ -51,7 +51,14 @@ def test_builtin_linear_merge_loads(tmp_path, kind):
 
 
 def test_scramble_writes_an_equivalent_model(model_dirs, tmp_path):
-    for kind in ("gpt_neox_partial_rotary_parallel", "qwen2_gqa_bias_tied", "gpt2_tied"):
+    kinds = (
+        "gpt_neox_partial_rotary_parallel",
+        "llama",
+        "mistral_gqa",
+        "qwen2_gqa_bias_tied",
+        "gpt2_tied",
+    )
+    for kind in kinds:
         out = tmp_path / kind
         result = CliRunner().invoke(
             main, ["scramble", str(model_dirs[kind]), str(out), "--seed", "7"]
