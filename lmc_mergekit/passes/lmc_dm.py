@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.passes.context import PassContext
 from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.transform_checkpoint import transform_checkpoint
@@ -23,7 +24,7 @@ def run(ctx: PassContext) -> None:
             view.folder,
             out,
             Transform.identity(view.spec.num_layers),
-            max_shard_size=ctx.options.out_shard_size,
+            max_shard_size=min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
             progress=not ctx.options.quiet,
             trust_remote_code=ctx.options.trust_remote_code,
         )

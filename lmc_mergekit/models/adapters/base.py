@@ -14,9 +14,10 @@ from transformers import AutoConfig, PretrainedConfig
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
-from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView
+from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView, Norm
 
-DEFAULT_SHARD_SIZE = 2 * 1024**3
+# Prepared checkpoints are written in 1 GiB shards: the writer buffers one shard in memory.
+DEFAULT_SHARD_SIZE = 1024**3
 
 
 class Adapter(ABC):
@@ -100,6 +101,11 @@ class Adapter(ABC):
             fp.write("\n")
         copy_tagalong_files(source, folder)
         return spec
+
+
+def read_norm(reader: CheckpointReader, name: str) -> Norm:
+    """The norm stored as ``name.weight`` (and ``name.bias`` where there is one)."""
+    return Norm(reader.get(name + ".weight"), reader.get(name + ".bias", optional=True))
 
 
 class CheckpointView:

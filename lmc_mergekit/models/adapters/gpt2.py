@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from lmc_mergekit.models.adapters.base import Adapter
+from lmc_mergekit.models.adapters.base import Adapter, read_norm
 from lmc_mergekit.models.checkpoint import CheckpointReader
-from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec, Norm
+from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec
 
 
 class GPT2Adapter(Adapter):
@@ -38,10 +38,6 @@ class GPT2Adapter(Adapter):
             learned_positions=config.n_positions,
         )
 
-    @staticmethod
-    def _norm(reader: CheckpointReader, name: str) -> Norm:
-        return Norm(reader.get(name + ".weight"), reader.get(name + ".bias"))
-
     def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:
         return Embeddings(
             tokens=reader.get("transformer.wte.weight"),
@@ -53,7 +49,7 @@ class GPT2Adapter(Adapter):
         q, k, v = reader.get(p + "attn.c_attn.weight").t().chunk(3, dim=0)
         q_bias, k_bias, v_bias = reader.get(p + "attn.c_attn.bias").chunk(3)
         return Block(
-            attn_norm=self._norm(reader, p + "ln_1"),
+            attn_norm=read_norm(reader, p + "ln_1"),
             attn=Attention(
                 q,
                 k,
@@ -64,7 +60,7 @@ class GPT2Adapter(Adapter):
                 v_bias=v_bias,
                 o_bias=reader.get(p + "attn.c_proj.bias"),
             ),
-            mlp_norm=self._norm(reader, p + "ln_2"),
+            mlp_norm=read_norm(reader, p + "ln_2"),
             mlp=MLP(
                 up=reader.get(p + "mlp.c_fc.weight").t(),
                 up_bias=reader.get(p + "mlp.c_fc.bias"),
@@ -77,7 +73,7 @@ class GPT2Adapter(Adapter):
         name = "lm_head.weight"
         if spec.tied_embeddings or not reader.has(name):
             name = "transformer.wte.weight"
-        return Head(norm=self._norm(reader, "transformer.ln_f"), weight=reader.get(name))
+        return Head(norm=read_norm(reader, "transformer.ln_f"), weight=reader.get(name))
 
     def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
         return {"transformer.wte.weight": emb.tokens, "transformer.wpe.weight": emb.positions}

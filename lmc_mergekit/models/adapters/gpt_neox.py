@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from lmc_mergekit.models.adapters.base import Adapter, rotary_dims
+from lmc_mergekit.models.adapters.base import Adapter, read_norm, rotary_dims
 from lmc_mergekit.models.checkpoint import CheckpointReader
-from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec, Norm
+from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec
 
 # Hub checkpoints (Pythia) name the head embed_out; some tools write lm_head.
 HEAD_NAMES = ("embed_out.weight", "lm_head.weight")
@@ -41,10 +41,6 @@ class GPTNeoXAdapter(Adapter):
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
-    @staticmethod
-    def _norm(reader: CheckpointReader, name: str) -> Norm:
-        return Norm(reader.get(name + ".weight"), reader.get(name + ".bias"))
-
     def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:
         return Embeddings(tokens=reader.get("gpt_neox.embed_in.weight"))
 
@@ -59,7 +55,7 @@ class GPTNeoXAdapter(Adapter):
             qkv_bias = qkv_bias.reshape(h, 3, -1)
             biases = tuple(qkv_bias[:, i].reshape(-1) for i in range(3))
         return Block(
-            attn_norm=self._norm(reader, p + "input_layernorm"),
+            attn_norm=read_norm(reader, p + "input_layernorm"),
             attn=Attention(
                 q,
                 k,
@@ -70,7 +66,7 @@ class GPTNeoXAdapter(Adapter):
                 v_bias=biases[2],
                 o_bias=reader.get(p + "attention.dense.bias", optional=True),
             ),
-            mlp_norm=self._norm(reader, p + "post_attention_layernorm"),
+            mlp_norm=read_norm(reader, p + "post_attention_layernorm"),
             mlp=MLP(
                 up=reader.get(p + "mlp.dense_h_to_4h.weight"),
                 up_bias=reader.get(p + "mlp.dense_h_to_4h.bias", optional=True),
@@ -82,7 +78,7 @@ class GPTNeoXAdapter(Adapter):
     def read_head(self, reader: CheckpointReader, spec: ModelSpec) -> Head:
         stored = [name for name in HEAD_NAMES if reader.has(name)]
         name = stored[0] if stored and not spec.tied_embeddings else "gpt_neox.embed_in.weight"
-        return Head(norm=self._norm(reader, "gpt_neox.final_layer_norm"), weight=reader.get(name))
+        return Head(norm=read_norm(reader, "gpt_neox.final_layer_norm"), weight=reader.get(name))
 
     def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
         return {"gpt_neox.embed_in.weight": emb.tokens}

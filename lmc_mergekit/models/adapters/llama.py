@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from lmc_mergekit.models.adapters.base import Adapter, rotary_dims
+from lmc_mergekit.models.adapters.base import Adapter, read_norm, rotary_dims
 from lmc_mergekit.models.checkpoint import CheckpointReader
-from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec, Norm
+from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec
 
 
 class LlamaAdapter(Adapter):
@@ -54,9 +54,9 @@ class LlamaAdapter(Adapter):
         up, up_bias = linear("mlp.up_proj")
         down, down_bias = linear("mlp.down_proj")
         return Block(
-            attn_norm=Norm(reader.get(p + "input_layernorm.weight")),
+            attn_norm=read_norm(reader, p + "input_layernorm"),
             attn=Attention(q, k, v, o, q_bias, k_bias, v_bias, o_bias),
-            mlp_norm=Norm(reader.get(p + "post_attention_layernorm.weight")),
+            mlp_norm=read_norm(reader, p + "post_attention_layernorm"),
             mlp=MLP(
                 up=up,
                 down=down,
@@ -71,7 +71,7 @@ class LlamaAdapter(Adapter):
         name = "lm_head.weight"
         if spec.tied_embeddings or not reader.has(name):
             name = "model.embed_tokens.weight"
-        return Head(norm=Norm(reader.get("model.norm.weight")), weight=reader.get(name))
+        return Head(norm=read_norm(reader, "model.norm"), weight=reader.get(name))
 
     def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
         return {"model.embed_tokens.weight": emb.tokens}
