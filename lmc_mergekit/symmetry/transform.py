@@ -40,9 +40,6 @@ class LayerTransform:
     qk: torch.Tensor | None = None
     ov: torch.Tensor | None = None
 
-    def is_identity(self) -> bool:
-        return all(getattr(self, name) is None for name in ("head_perm", "ffn_perm", "qk", "ov"))
-
 
 @dataclass(frozen=True)
 class Transform:
@@ -70,14 +67,6 @@ class Transform:
     @classmethod
     def identity(cls, num_layers: int) -> Transform:
         return cls(num_layers=num_layers)
-
-    def is_identity(self) -> bool:
-        return (
-            not self.absorb_norms
-            and self.rotation is None
-            and self.scale == 1.0
-            and all(layer.is_identity() for layer in self.layers)
-        )
 
     # ---- group structure ----------------------------------------------------------------
 
