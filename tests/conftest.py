@@ -23,3 +23,22 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 def isolated_cache(tmp_path, monkeypatch):
     """Each test gets its own prepared-input cache."""
     monkeypatch.setenv("LMC_MERGEKIT_CACHE", str(tmp_path / "lmc-cache"))
+
+
+# About the smallest zoo setting that still shows a clear barrier between seeds (~0.6 nats).
+SMALL_ZOO = {"arch": "gpt_neox", "hidden": 32, "layers": 2, "steps": 150}
+
+
+@pytest.fixture(scope="session")
+def zoo_root(tmp_path_factory) -> Path:
+    """The test session's zoo folder."""
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture(scope="session")
+def trained_pair(zoo_root) -> tuple[Path, Path]:
+    """Two small GPT-NeoX models trained here on the bundled corpus from seeds 0 and 1."""
+    from lmc_mergekit.zoo import build_zoo
+
+    a, b = build_zoo(zoo_root, seeds=(0, 1), progress=False, **SMALL_ZOO)
+    return a, b

@@ -14,6 +14,9 @@ from tiny_models import build_model, logits, probe_ids
 
 from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
 
+# Tiny random models have no tokenizer, so these recipes skip the barrier evaluation.
+UNALIGNED = {"matching": "none", "evaluate": False}
+
 
 def run_yaml(recipe: dict, tmp_path: Path, out: Path, *extra: str):
     path = tmp_path / f"recipe-{len(list(tmp_path.glob('recipe-*')))}.yml"
@@ -73,7 +76,7 @@ def test_scramble_writes_an_equivalent_model(model_dirs, tmp_path):
 def test_lmc_dm_pipeline_with_cache_and_card(tmp_path):
     a, b = two_models("llama", tmp_path)
     cache = tmp_path / "cache"
-    recipe = linear_recipe(a, b, "lmc_dm", alignment={"matching": "none"})
+    recipe = linear_recipe(a, b, "lmc_dm", alignment=UNALIGNED)
     result = run_yaml(recipe, tmp_path, tmp_path / "dm", "--lmc-cache", str(cache))
     assert result.exit_code == 0, result.output
     # Unaligned, lmc_dm is exactly mergekit's linear merge of the same weights.
@@ -121,7 +124,7 @@ def test_registration_is_idempotent():
     [
         (
             lambda r: r.update(alignment={"stpes": 3}),
-            "unknown key 'stpes' (allowed: matching, seed)",
+            "unknown key 'stpes' (allowed: matching, steps,",
         ),
         (lambda r: r.update(alignment={"matching": "magic"}), "matching: Input should be"),
         (
@@ -129,12 +132,13 @@ def test_registration_is_idempotent():
             "belongs to merge_method: lmc_dm",
         ),
         (lambda r: r["models"][1].update(model="/no/such/model"), "does not exist"),
-        (lambda r: r.update(alignment={"matching": "learned"}), "not implemented yet"),
+        (lambda r: r.update(alignment={"steps": 5}), "not implemented yet"),
+        (lambda r: r.update(alignment={"evaluate": True}), "has no tokenizer"),
     ],
 )
 def test_bad_recipes_fail_in_one_line_and_leave_nothing(tmp_path, change, needle):
     a, b = two_models("llama", tmp_path)
-    recipe = linear_recipe(a, b, "lmc_dm", alignment={"matching": "none"})
+    recipe = linear_recipe(a, b, "lmc_dm", alignment=UNALIGNED)
     change(recipe)
     out = tmp_path / "out"
     result = run_yaml(recipe, tmp_path, out)
@@ -149,7 +153,7 @@ def test_models_of_different_shapes_or_architectures(tmp_path):
     neox = build_model("gpt_neox_partial_rotary_parallel", tmp_path / "neox")
     for other, needle in ((wide, "intermediate_size is 80"), (neox, "one architecture")):
         result = run_yaml(
-            linear_recipe(a, other, "lmc_dm", alignment={"matching": "none"}),
+            linear_recipe(a, other, "lmc_dm", alignment=UNALIGNED),
             tmp_path,
             tmp_path / "out",
         )
@@ -164,3 +168,11 @@ def test_existing_output_needs_overwrite(tmp_path):
     result = run_yaml(linear_recipe(a, b), tmp_path, tmp_path / "out")
     assert result.exit_code == 1 and "--overwrite" in result.output
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yml")))
+def test_shipped_recipes_parse(recipe):
+    from lmc_mergekit.plugin.recipe import parse_recipe
+
+    parsed = parse_recipe(recipe.read_text())
+    assert parsed.plugin_method is None or parsed.settings is not None

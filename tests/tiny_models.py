@@ -110,7 +110,7 @@ def build_model(variant: str, folder: Path, seed: int = 0, **overrides) -> Path:
     """
     model_cls, config_cls, kwargs = VARIANTS[variant]
     torch.manual_seed(seed)
-    config = config_cls(vocab_size=VOCAB, **{**kwargs, **overrides})
+    config = config_cls(**{"vocab_size": VOCAB, **kwargs, **overrides})
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -6,15 +6,13 @@ the folders it is given; :mod:`lmc_mergekit.plugin.pipeline` caches and feeds th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from lmc_mergekit.passes import lmc_dm, ls_merge, subclone
-from lmc_mergekit.passes.context import PassContext
+from lmc_mergekit.passes.context import FinishContext, PassContext, PreMergePass
 
-PASSES: dict[str, Callable[[PassContext], None]] = {
-    "lmc_dm": lmc_dm.run,
-    "subclone_compensate": subclone.run,
-    "ls_merge": ls_merge.run,
+PASSES: dict[str, PreMergePass] = {
+    "lmc_dm": PreMergePass(run=lmc_dm.run, finish=lmc_dm.finish),
+    "subclone_compensate": PreMergePass(run=subclone.run),
+    "ls_merge": PreMergePass(run=ls_merge.run),
 }
 
-__all__ = ["PASSES", "PassContext"]
+__all__ = ["PASSES", "FinishContext", "PassContext", "PreMergePass"]

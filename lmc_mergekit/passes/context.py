@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,18 +10,28 @@ from mergekit.options import MergeOptions
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import CheckpointView, open_model
-from lmc_mergekit.plugin.recipe import Section
+from lmc_mergekit.plugin.recipe import Recipe, Section
+
+
+def pass_device(options: MergeOptions):
+    """Where passes compute: mergekit's ``--device``, else the GPU with ``--cuda`` or when there
+    is one."""
+    from lmc_mergekit.evaluation.loss import resolve_device
+
+    return resolve_device(options.device or ("cuda" if options.cuda else "auto"))
 
 
 @dataclass(frozen=True)
 class PassContext:
-    """What a pass gets: inputs (recipe order), where to write each, settings, mergekit options."""
+    """What a pass gets: inputs (recipe order), where to write each, settings, mergekit options,
+    and a folder for its report (copied next to the merged model)."""
 
     method: str
     inputs: tuple[Path, ...]
     outputs: tuple[Path, ...]
     settings: Section
     options: MergeOptions
+    report_dir: Path
 
     def open_inputs(self) -> list[CheckpointView]:
         """Views of every input, refused unless they share one architecture and shape."""
@@ -40,3 +51,22 @@ class PassContext:
                         f"{first.folder.name} but {b[key]} in {view.folder.name}"
                     )
         return views
+
+
+@dataclass(frozen=True)
+class FinishContext:
+    """What a pass's finishing step gets once mergekit has written the merged model."""
+
+    folder: Path
+    recipe: Recipe
+    inputs: tuple[Path, ...]
+    options: MergeOptions
+
+
+@dataclass(frozen=True)
+class PreMergePass:
+    """A method's pre-merge pass, and an optional step after the merge that completes its
+    report in the output folder and returns a Markdown section for the model card."""
+
+    run: Callable[[PassContext], None]
+    finish: Callable[[FinishContext], str] | None = None

@@ -11,8 +11,11 @@ from mergekit.card import generate_card
 from lmc_mergekit.plugin.recipe import Recipe
 
 
-def write_card(folder: Path, recipe: Recipe, name: str, prepared: dict[str, Path]) -> None:
-    """README.md (mergekit's card plus a section on the pre-merge pass) and mergekit_config.yml."""
+def write_card(
+    folder: Path, recipe: Recipe, name: str, prepared: dict[str, Path], summary: str = ""
+) -> None:
+    """README.md (mergekit's card plus a section on the pre-merge pass and the pass's own
+    ``summary``, in Markdown) and mergekit_config.yml."""
     text = generate_card(config=recipe.config, config_yaml=recipe.source, name=name)
     method = recipe.plugin_method
     settings = json.dumps(recipe.settings.model_dump(mode="json"), indent=2, sort_keys=True)
@@ -25,6 +28,8 @@ def write_card(folder: Path, recipe: Recipe, name: str, prepared: dict[str, Path
         f"Settings (`{method.section}:`):\n\n```json\n{settings}\n```\n\n"
         f"| input | prepared checkpoint |\n|---|---|\n{rows}\n"
     )
+    if summary:
+        text += f"\n{summary}\n"
     card = ModelCard(text)
     tags = list(card.data.tags or [])
     card.data.tags = [*tags, "lmc-mergekit", method.name]

@@ -136,5 +136,309 @@ def _transform_and_report(model, out, transform, overwrite, trust_remote_code) -
     )
 
 
+@main.command("zoo")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--arch",
+    type=click.Choice(["gpt_neox", "llama"]),
+    default="gpt_neox",
+    show_default=True,
+    help="Pythia-like GPT-NeoX or Llama with GQA",
+)
+@click.option("--hidden", type=int, default=128, show_default=True, help="Width, a multiple of 32")
+@click.option("--layers", type=int, default=4, show_default=True, help="Number of layers")
+@click.option("--seeds", default="0,1", show_default=True, help="Seeds: a list and/or ranges (0-3)")
+@click.option("--steps", type=int, default=1500, show_default=True, help="Training steps")
+@click.option(
+    "--data",
+    default=None,
+    help="Training text: a file, folder, JSONL or dataset on disk [default: the bundled corpus]",
+)
+@click.option("--field", default="text", show_default=True, help="Text field of records")
+@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per sequence")
+@click.option("--vocab-size", type=int, default=4096, show_default=True, help="BPE vocabulary")
+@click.option("--batch-size", type=int, default=16, show_default=True, help="Sequences per step")
+@click.option("--lr", type=float, default=None, help="Peak learning rate [default: 6e-3]")
+@click.option("--warmup", type=int, default=None, help="Warm-up steps [default: 100]")
+@one_line_errors
+def zoo_command(
+    out: Path,
+    arch: str,
+    hidden: int,
+    layers: int,
+    seeds: str,
+    steps: int,
+    data: str | None,
+    field: str,
+    seq_len: int,
+    vocab_size: int,
+    batch_size: int,
+    lr: float | None,
+    warmup: int | None,
+) -> None:
+    """Train small language models from scratch into OUT, one per seed (reused if there).
+
+    Each is a stock Hugging Face checkpoint with its tokenizer, in a folder named by its
+    settings; zoo_model.json in it holds the training record.
+    """
+    import time
+
+    from lmc_mergekit.zoo import build_zoo_model, parse_seeds, read_zoo_info
+    from lmc_mergekit.zoo.train import DEFAULT_LR, DEFAULT_WARMUP
+
+    started = time.time()
+    for seed in parse_seeds(seeds):
+        path = build_zoo_model(
+            out,
+            arch,
+            hidden,
+            layers,
+            seed=seed,
+            steps=steps,
+            data_source=data,
+            field=field,
+            seq_len=seq_len,
+            vocab_size=vocab_size,
+            batch_size=batch_size,
+            lr=DEFAULT_LR if lr is None else lr,
+            warmup=DEFAULT_WARMUP if warmup is None else warmup,
+        )
+        info = read_zoo_info(path)
+        record = info["training"]
+        how = (
+            "reused"
+            if info["created_unix"] < started
+            else f"trained in {record['wall_time_s']:.0f} s at {record['tokens_per_s']:.0f} tok/s"
+        )
+        click.echo(f"{path}  validation loss {record['validation_loss']:.3f} nats  ({how})")
+
+
+@main.command("eval")
+@click.argument("model")
+@click.option(
+    "--data",
+    metavar="PATH",
+    default=None,
+    help="Text file, .jsonl, folder, saved dataset or hf:NAME[:SPLIT] [default: bundled corpus]",
+)
+@click.option("--field", default="text", show_default=True, help="Text field of JSONL/datasets")
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=2),
+    default=128,
+    show_default=True,
+    help="Tokens per sequence",
+)
+@click.option(
+    "--split",
+    type=click.Choice(["train", "validation", "test"]),
+    default="test",
+    show_default=True,
+    help="Which split of the data to evaluate on",
+)
+@click.option(
+    "--max-sequences", type=click.IntRange(min=1), default=None, help="Stop after N sequences"
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Sequences per forward pass",
+)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")
+@click.option(
+    "--json",
+    "json_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the result to this JSON file",
+)
+@click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own code to run")
+@one_line_errors
+def eval_command(
+    model: str,
+    data: str | None,
+    field: str,
+    seq_len: int,
+    split: str,
+    max_sequences: int | None,
+    batch_size: int,
+    device: str,
+    json_file: Path | None,
+    trust_remote_code: bool,
+) -> None:
+    """Print MODEL's mean next-token loss and perplexity on a split of the data."""
+    import json
+
+    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+    from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
+    from lmc_mergekit.models.checkpoint import model_dir
+
+    folder = model_dir(model)
+    config = DataConfig(source=data, field=field, seq_len=seq_len)
+    # Data errors come before the (slower) model load.
+    sequences = load_split(config, load_tokenizer([folder]), split, max_sequences)
+    lm = load_causal_lm(folder, device, trust_remote_code)
+    result = mean_token_loss(lm, sequences, batch_size, progress=sys.stderr.isatty())
+    click.echo(
+        f"{folder.name}: loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f} "
+        f"over {result.tokens} tokens ({len(sequences)} sequences of {seq_len}, {split} split "
+        f"of {config.describe()})"
+    )
+    if json_file is not None:
+        report = {
+            "model": str(folder),
+            "data": config.describe(),
+            "split": split,
+            "seq_len": seq_len,
+            "sequences": len(sequences),
+            **result.to_dict(),
+        }
+        json_file.parent.mkdir(parents=True, exist_ok=True)
+        json_file.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+@main.command("barrier")
+@click.argument("model_a")
+@click.argument("model_b")
+@click.option(
+    "--data",
+    default=None,
+    help="Evaluation text: a file, folder, .jsonl or datasets folder [default: the bundled corpus]",
+)
+@click.option(
+    "--field", default="text", show_default=True, help="Text field of JSON Lines / datasets rows"
+)
+@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per sequence")
+@click.option("--points", type=int, default=11, show_default=True, help="λ grid points from A to B")
+@click.option(
+    "--max-sequences",
+    type=int,
+    default=512,
+    show_default=True,
+    help="Most test-split sequences evaluated",
+)
+@click.option("--batch-size", type=int, default=16, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the curve and barrier as JSON",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also draw the curve into this PNG",
+)
+@one_line_errors
+def barrier_command(
+    model_a: str,
+    model_b: str,
+    data: str | None,
+    field: str,
+    seq_len: int,
+    points: int,
+    max_sequences: int,
+    batch_size: int,
+    device: str,
+    json_path: Path | None,
+    plot: Path | None,
+) -> None:
+    """Test loss of (1-λ)·MODEL_A + λ·MODEL_B along an evenly spaced λ grid, and the barrier
+    (highest loss on the path minus the mean of the two endpoint losses)."""
+    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+    from lmc_mergekit.evaluation.barrier import (
+        format_table,
+        interpolation_losses,
+        plot_paths,
+        write_path_json,
+    )
+    from lmc_mergekit.evaluation.loss import resolve_device
+    from lmc_mergekit.models.checkpoint import model_dir
+
+    a, b = model_dir(model_a), model_dir(model_b)
+    config = DataConfig(source=data, field=field, seq_len=seq_len)
+    sequences = load_split(config, load_tokenizer([a, b]), "test", max_sequences)
+    path = interpolation_losses(
+        a,
+        b,
+        sequences,
+        points=points,
+        batch_size=batch_size,
+        device=resolve_device(device),
+        progress=True,
+    )
+    curves = {"test loss": path}
+    click.echo(format_table(curves))
+    click.echo(
+        f"barrier {path.barrier:.4f} nats (endpoints {path.losses[0]:.4f} and "
+        f"{path.losses[-1]:.4f}; {path.tokens} test tokens of {config.describe()})"
+    )
+    if json_path is not None:
+        extra = {
+            "model_a": str(a),
+            "model_b": str(b),
+            "data": config.describe(),
+            "seq_len": seq_len,
+        }
+        write_path_json(json_path, curves, extra)
+    if plot is not None:
+        plot_paths(plot, curves, f"{a.name} → {b.name}")
+
+
+@main.command("demo")
+@click.argument("out", default="lmc-demo", required=False)
+@click.option(
+    "--arch", type=click.Choice(["gpt_neox", "llama"]), default="gpt_neox", show_default=True
+)
+@click.option("--hidden", type=int, default=64, show_default=True, help="Width of the zoo models")
+@click.option("--layers", type=int, default=4, show_default=True, help="Depth of the zoo models")
+@click.option("--steps", type=int, default=600, show_default=True, help="Training steps per model")
+@click.option(
+    "--zoo",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Zoo folder [default: <cache>/zoo]",
+)
+@click.option(
+    "--lmc-cache",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Cache folder [default: $LMC_MERGEKIT_CACHE or ~/.cache/lmc-mergekit]",
+)
+@click.option("--overwrite", is_flag=True, help="Replace OUT/merged if it exists")
+@one_line_errors
+def demo_command(
+    out: str,
+    arch: str,
+    hidden: int,
+    layers: int,
+    steps: int,
+    zoo: Path | None,
+    lmc_cache: Path | None,
+    overwrite: bool,
+) -> None:
+    """Train (or reuse) two small models of different seeds, merge them with lmc_dm into
+    OUT/merged [default OUT: ./lmc-demo], and show the loss barrier before and after alignment."""
+    from lmc_mergekit.plugin.demo import run_demo
+
+    cache = lmc_cache or default_cache_dir()
+    result = run_demo(
+        Path(out),
+        zoo_root=zoo or cache / "zoo",
+        cache_dir=cache,
+        arch=arch,
+        hidden=hidden,
+        layers=layers,
+        steps=steps,
+        overwrite=overwrite,
+    )
+    click.echo("\n" + result.summary())
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,7 +15,7 @@ from mergekit.options import MergeOptions
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.checkpoint import model_dir
-from lmc_mergekit.passes import PASSES, PassContext
+from lmc_mergekit.passes import PASSES, FinishContext, PassContext
 from lmc_mergekit.plugin.cache import COMPLETE_FILE, cache_key
 from lmc_mergekit.plugin.card import write_card
 from lmc_mergekit.plugin.methods import write_provenance
@@ -23,6 +23,8 @@ from lmc_mergekit.plugin.recipe import Recipe, parse_recipe
 from lmc_mergekit.staging import staged_output
 
 LOG = logging.getLogger(__name__)
+# Inside a cache entry: the pass's report files, copied next to every merged model.
+REPORT_DIR = "report"
 
 
 def run_recipe_file(
@@ -51,7 +53,7 @@ def run_recipe(
     if recipe.plugin_method is None:
         run_merge(recipe.config.model_copy(deep=True), str(folder), options, recipe.source)
         return
-    prepared = prepare_inputs(recipe, options, cache_dir)
+    prepared, report_dir = prepare_inputs(recipe, options, cache_dir)
     config = _with_prepared_models(recipe.config, prepared)
     run_merge(
         config,
@@ -59,8 +61,15 @@ def run_recipe(
         options.model_copy(update={"write_model_card": False}),
         recipe.source,
     )
+    if report_dir.is_dir():
+        shutil.copytree(report_dir, folder, dirs_exist_ok=True)
+    finish = PASSES[recipe.plugin_method.name].finish
+    summary = ""
+    if finish is not None:
+        inputs = tuple(Path(source) for source in prepared)
+        summary = finish(FinishContext(folder, recipe, inputs, options))
     if options.write_model_card:
-        write_card(folder, recipe, name, prepared)
+        write_card(folder, recipe, name, prepared, summary)
 
 
 def recipe_inputs(config: MergeConfiguration, method: str) -> list[Path]:
@@ -82,8 +91,11 @@ def recipe_inputs(config: MergeConfiguration, method: str) -> list[Path]:
     return paths
 
 
-def prepare_inputs(recipe: Recipe, options: MergeOptions, cache_dir: Path) -> dict[str, Path]:
-    """Prepared checkpoints for every input: from the cache, or by running the method's pass."""
+def prepare_inputs(
+    recipe: Recipe, options: MergeOptions, cache_dir: Path
+) -> tuple[dict[str, Path], Path]:
+    """Prepared checkpoints for every input (from the cache, or by running the method's pass),
+    and the folder holding the pass's report files."""
     method = recipe.plugin_method.name
     inputs = recipe_inputs(recipe.config, method)
     key = cache_key(method, recipe.settings, inputs)
@@ -101,8 +113,9 @@ def prepare_inputs(recipe: Recipe, options: MergeOptions, cache_dir: Path) -> di
                 outputs=tuple(work / out.name for out in outputs),
                 settings=recipe.settings,
                 options=options,
+                report_dir=work / REPORT_DIR,
             )
-            PASSES[method](ctx)
+            PASSES[method].run(ctx)
             for source, folder in zip(inputs, ctx.outputs, strict=True):
                 write_provenance(folder, method, {"source": str(source), "cache_key": key})
             (work / COMPLETE_FILE).write_text(
@@ -114,7 +127,8 @@ def prepare_inputs(recipe: Recipe, options: MergeOptions, cache_dir: Path) -> di
         finally:
             if work.exists():
                 shutil.rmtree(work, ignore_errors=True)
-    return {str(source): out for source, out in zip(inputs, outputs, strict=True)}
+    prepared = {str(source): out for source, out in zip(inputs, outputs, strict=True)}
+    return prepared, entry / REPORT_DIR
 
 
 def _with_prepared_models(

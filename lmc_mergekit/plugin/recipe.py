@@ -22,12 +22,39 @@ class Section(BaseModel):
 class AlignmentSettings(Section):
     """``alignment:`` for ``lmc_dm``."""
 
-    matching: Literal["none", "weights", "learned"] = Field(
-        "learned",
-        description="none: merge the raw checkpoints (the baseline); weights: weight matching; "
-        "learned: dual learned matching",
+    matching: Literal["none", "weights"] = Field(
+        "weights",
+        description="none: merge the raw checkpoints (the baseline); weights: start from weight "
+        "matching",
     )
-    seed: int = Field(0, description="random seed of the alignment")
+    steps: int = Field(
+        0,
+        ge=0,
+        description="learned-matching steps after weight matching (0: weight matching only)",
+    )
+    max_iterations: int = Field(
+        30, ge=1, description="weight matching: most rounds of coordinate descent"
+    )
+    evaluate: bool = Field(
+        True, description="measure the loss along the path before and after alignment"
+    )
+    data: str | None = Field(
+        None,
+        description="evaluation text (file, folder, .jsonl, datasets folder; default: the "
+        "bundled corpus)",
+    )
+    field: str = Field("text", description="text field of JSON Lines or datasets rows")
+    seq_len: int = Field(128, ge=2, description="tokens per evaluation sequence")
+    eval_sequences: int = Field(512, ge=1, description="most test-split sequences evaluated")
+    points: int = Field(11, ge=3, description="λ grid points along the path")
+
+    @model_validator(mode="after")
+    def _steps_need_matching(self) -> AlignmentSettings:
+        if self.steps and self.matching == "none":
+            raise ValueError(
+                "learned matching (steps > 0) starts from weight matching; set matching: weights"
+            )
+        return self
 
 
 class SubcloneSettings(Section):

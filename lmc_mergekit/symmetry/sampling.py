@@ -13,11 +13,16 @@ from lmc_mergekit.symmetry.rope import rope_map_from_pairs
 from lmc_mergekit.symmetry.transform import LayerTransform, Transform
 
 
+def ones_complement_basis(d: int) -> torch.Tensor:
+    """``U`` (d×(d-1)): an orthonormal basis of the vectors orthogonal to all-ones."""
+    return torch.from_numpy(null_space(torch.ones(1, d, dtype=torch.float64).numpy()))
+
+
 def ones_fixing_rotation(inner: torch.Tensor) -> torch.Tensor:
     """``Q = 11ᵀ/d + U·Q'·Uᵀ`` for an orthogonal ``Q'`` of size d-1: an orthogonal map of R^d
     that fixes the all-ones vector, so it commutes with LayerNorm."""
     d = inner.shape[0] + 1
-    basis = torch.from_numpy(null_space(torch.ones(1, d, dtype=torch.float64).numpy()))
+    basis = ones_complement_basis(d)
     return torch.full((d, d), 1.0 / d, dtype=torch.float64) + basis @ inner.double() @ basis.T
 
 

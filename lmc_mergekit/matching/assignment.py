@@ -1,0 +1,102 @@
+"""Matching heads and neurons of one layer by linear assignment (scipy's solver)."""
+
+from __future__ import annotations
+
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from lmc_mergekit.models.view import MLP, Attention, ModelSpec
+
+
+def best_permutation(similarity: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``perm`` maximising ``Σ_i similarity[i, perm[i]]`` and that maximum."""
+    rows, cols = linear_sum_assignment(similarity.numpy(), maximize=True)
+    perm = torch.as_tensor(cols, dtype=torch.long)
+    return perm, float(similarity[torch.as_tensor(rows), perm].sum())
+
+
+def match_heads(similarity: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Query-head permutation of B onto A from head similarities ``(H_A, H_B)``, GQA-aware:
+    key/value groups are assigned as wholes (scored by their best within-group assignment),
+    then query heads within each matched pair of groups."""
+    h = similarity.shape[0]
+    g = h // num_kv_heads
+    blocks = similarity.reshape(num_kv_heads, g, num_kv_heads, g).permute(0, 2, 1, 3)
+    inner = [
+        [best_permutation(blocks[a, b]) for b in range(num_kv_heads)] for a in range(num_kv_heads)
+    ]
+    group_scores = torch.tensor([[score for _, score in row] for row in inner], dtype=torch.float64)
+    group_perm, _ = best_permutation(group_scores)
+    return torch.cat([int(b) * g + inner[a][int(b)][0] for a, b in enumerate(group_perm)]).long()
+
+
+def head_similarity(a: Attention, b: Attention, spec: ModelSpec) -> torch.Tensor:
+    """Cosine similarity of every query head of A with every one of B, summed over the QK
+    circuit ``W_qᵀ·W_k`` and the OV circuit ``W_vᵀ·W_Oᵀ`` (both invariant to per-head maps)."""
+    xa, ya = _query_view(a, spec, "qk")
+    xb, yb = _query_view(b, spec, "qk")
+    total = _circuit_cosine(xa, ya, xb, yb)
+    xa, ya = _query_view(a, spec, "ov")
+    xb, yb = _query_view(b, spec, "ov")
+    return total + _circuit_cosine(xa, ya, xb, yb)
+
+
+def neuron_similarity(a: MLP, b: MLP) -> torch.Tensor:
+    """Inner products of every hidden neuron of A with every one of B over all its weights."""
+    sim = a.up @ b.up.T + a.down.T @ b.down
+    if a.gate is not None:
+        sim = sim + a.gate @ b.gate.T
+    for bias_a, bias_b in ((a.up_bias, b.up_bias), (a.gate_bias, b.gate_bias)):
+        if bias_a is not None:
+            sim = sim + bias_a[:, None] * bias_b[None, :]
+    return sim
+
+
+def circuit_blocks(attn: Attention, spec: ModelSpec, kind: str) -> tuple[torch.Tensor, ...]:
+    """The row blocks a per-head map acts on, one pair per key/value head.
+
+    ``qk``: ``X`` = the query rows of every head in the group side by side (with their bias
+    column), ``Y`` = the key rows (with bias). ``ov``: ``X`` = value rows (with bias), ``Y`` = the
+    transposed output columns of every head in the group. Shapes ``(Hkv, dh, n)``.
+    """
+    hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
+    d = attn.o.shape[0]
+    if kind == "qk":
+        q = _with_bias(attn.q, attn.q_bias, spec.num_heads, dh).reshape(hkv, g, dh, -1)
+        x = q.permute(0, 2, 1, 3).reshape(hkv, dh, -1)
+        y = _with_bias(attn.k, attn.k_bias, hkv, dh)
+    else:
+        x = _with_bias(attn.v, attn.v_bias, hkv, dh)
+        o = attn.o.reshape(d, hkv, g, dh).permute(1, 3, 2, 0)  # (hkv, dh, g, d)
+        y = o.reshape(hkv, dh, g * d)
+    return x, y
+
+
+def _with_bias(weight: torch.Tensor, bias: torch.Tensor | None, heads: int, dh: int):
+    rows = weight.reshape(heads, dh, -1)
+    if bias is None:
+        return rows
+    return torch.cat([rows, bias.reshape(heads, dh, 1)], dim=-1)
+
+
+def _query_view(attn: Attention, spec: ModelSpec, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query head ``(H, dh, n)`` blocks whose product is that head's circuit."""
+    h, dh, g = spec.num_heads, spec.head_dim, spec.group_size
+    group = torch.arange(h) // g
+    if kind == "qk":
+        x = _with_bias(attn.q, attn.q_bias, h, dh)
+        y = _with_bias(attn.k, attn.k_bias, spec.num_kv_heads, dh)[group]
+    else:
+        x = _with_bias(attn.v, attn.v_bias, spec.num_kv_heads, dh)[group]
+        y = attn.o.reshape(-1, h, dh).permute(1, 2, 0)
+    return x, y
+
+
+def _circuit_cosine(xa, ya, xb, yb) -> torch.Tensor:
+    # <Xa_iᵀ·Ya_i, Xb_jᵀ·Yb_j>_F = Σ_ab (Xa_i·Xb_jᵀ)_ab·(Ya_i·Yb_jᵀ)_ab: only dh×dh products.
+    inner = (torch.einsum("ian,jbn->ijab", xa, xb) * torch.einsum("ian,jbn->ijab", ya, yb)).sum(
+        (-1, -2)
+    )
+    norm_a = ((xa @ xa.mT) * (ya @ ya.mT)).sum((-1, -2)).clamp_min(1e-300).sqrt()
+    norm_b = ((xb @ xb.mT) * (yb @ yb.mT)).sum((-1, -2)).clamp_min(1e-300).sqrt()
+    return inner / (norm_a[:, None] * norm_b[None, :])

@@ -1,0 +1,102 @@
+"""lmc_dm with weight matching, end to end on a pair of models trained from different seeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+from lmc_mergekit.evaluation.loss import mean_token_loss
+from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+
+EVAL = {"seq_len": 64, "eval_sequences": 64, "points": 5}
+
+
+def run_recipe(recipe: dict, tmp_path, out):
+    path = tmp_path / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    return CliRunner().invoke(mergekit_yaml_main, [str(path), str(out), "--quiet"])
+
+
+def pair_recipe(a, b, **alignment) -> dict:
+    return {
+        "merge_method": "lmc_dm",
+        "models": [
+            {"model": str(a), "parameters": {"weight": 1.0}},
+            {"model": str(b), "parameters": {"weight": 1.0}},
+        ],
+        "dtype": "float32",
+        "alignment": {"steps": 0, **EVAL, **alignment},
+    }
+
+
+@pytest.fixture(scope="module")
+def weight_matched(trained_pair, tmp_path_factory):
+    """The merged output folder of an ``lmc_dm`` recipe with ``steps: 0`` on the trained pair."""
+    tmp = tmp_path_factory.mktemp("lmc_dm")
+    out = tmp / "merged"
+    result = run_recipe(pair_recipe(*trained_pair), tmp, out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_weight_matching_lowers_the_barrier(weight_matched):
+    report = json.loads((weight_matched / "lmc_report.json").read_text())
+    pair = report["pairs"][0]
+    raw, aligned = pair["raw"]["barrier"], pair["aligned"]["barrier"]
+    assert raw > 0.2, "the trained pair should show a barrier to begin with"
+    assert aligned < 0.5 * raw
+    # Alignment moves no endpoint: both still compute their source's function.
+    assert pair["aligned"]["endpoint_losses"] == pytest.approx(
+        pair["raw"]["endpoint_losses"], abs=1e-4
+    )
+    assert (
+        report["matching"][0]["relative_distance"]["after"]
+        < report["matching"][0]["relative_distance"]["before"]
+    )
+    assert (weight_matched / "lmc_barrier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (weight_matched / "README.md").read_text()
+    assert f"{raw:.3f}" in card and f"{aligned:.3f}" in card
+
+
+def test_merged_model_loss_equals_the_path_at_its_weights(weight_matched, trained_pair):
+    report = json.loads((weight_matched / "lmc_report.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(weight_matched).float().eval()
+    tokenizer = load_tokenizer(list(trained_pair))
+    sequences = load_split(DataConfig(seq_len=EVAL["seq_len"]), tokenizer, "test", 64)
+    loss = mean_token_loss(model, sequences).loss
+    aligned = report["pairs"][0]["aligned"]
+    at_half = aligned["losses"][aligned["lambdas"].index(0.5)]
+    assert loss == pytest.approx(at_half, abs=1e-4)
+    assert report["merged"]["test_loss"] == pytest.approx(loss, abs=1e-6)
+
+
+def test_unaligned_baseline_reports_the_raw_path_only(trained_pair, tmp_path):
+    result = run_recipe(pair_recipe(*trained_pair, matching="none"), tmp_path, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "lmc_report.json").read_text())
+    assert "aligned" not in report["pairs"][0] and report["matching"] == []
+    midpoint = report["pairs"][0]["raw"]["losses"][2]
+    assert report["merged"]["test_loss"] == pytest.approx(midpoint, abs=1e-4)
+
+
+def test_barrier_command_matches_the_report(weight_matched, trained_pair, tmp_path):
+    a, b = trained_pair
+    args = ["barrier", str(a), str(b), "--seq-len", "64", "--max-sequences", "64", "--points", "5"]
+    args += ["--json", str(tmp_path / "path.json"), "--plot", str(tmp_path / "path.png")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "path.json").read_text())["curves"]["test loss"]
+    report = json.loads((weight_matched / "lmc_report.json").read_text())
+    assert written["losses"] == pytest.approx(report["pairs"][0]["raw"]["losses"], abs=1e-6)
+    assert f"barrier {written['barrier']:.4f}" in result.output
+    assert (tmp_path / "path.png").stat().st_size > 1000
+
+
+def test_barrier_refuses_models_of_different_shapes(trained_pair, model_dirs):
+    result = CliRunner().invoke(main, ["barrier", str(trained_pair[0]), str(model_dirs["llama"])])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output

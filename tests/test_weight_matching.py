@@ -1,0 +1,79 @@
+"""Weight matching: it must exactly undo any symmetry, and fit per-head maps sensibly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import VARIANTS
+
+from lmc_mergekit.matching import match_weights
+from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.view import iter_tensors, materialize
+from lmc_mergekit.symmetry import Transform, apply_transform, random_transform
+from lmc_mergekit.symmetry.rope import rope_commutation_error
+from lmc_mergekit.symmetry.sampling import random_rope_maps, random_well_conditioned
+from lmc_mergekit.transform_checkpoint import transform_checkpoint
+
+
+def _max_relative_gap(a, b) -> float:
+    parts = [(a.embeddings(), b.embeddings()), (a.head(), b.head())]
+    parts += [(a.block(i), b.block(i)) for i in range(a.spec.num_layers)]
+    gap = 0.0
+    for part_a, part_b in parts:
+        for (_, x), (_, y) in zip(iter_tensors(part_a), iter_tensors(part_b), strict=True):
+            gap = max(gap, float((x - y).abs().max() / x.abs().max().clamp_min(1e-12)))
+    return gap
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matching_undoes_a_scramble_exactly(variant, model_dirs, tmp_path):
+    source = model_dirs[variant]
+    spec = open_model(source).spec
+    scrambled = tmp_path / "scrambled"
+    transform_checkpoint(source, scrambled, random_transform(spec, seed=11), progress=False)
+
+    result = match_weights(open_model(source), open_model(scrambled))
+
+    recovered = materialize(apply_transform(open_model(scrambled), result.transform))
+    original = materialize(
+        apply_transform(open_model(source), Transform(spec.num_layers, absorb_norms=True))
+    )
+    assert _max_relative_gap(original, recovered) < 1e-5
+    assert result.distances[0] > 0.5 and result.distance < 1e-6 and result.iterations <= 3
+    if spec.norm == "layernorm":
+        ones = torch.ones(spec.hidden_size, dtype=torch.float64)
+        assert torch.allclose(ones @ result.transform.rotation, ones, atol=1e-10)
+
+
+def test_free_maps_recover_a_hidden_map_and_improve_unrelated_heads():
+    gen = torch.Generator().manual_seed(0)
+    xa = torch.randn(3, 8, 40, generator=gen, dtype=torch.float64)
+    ya = torch.randn(3, 8, 30, generator=gen, dtype=torch.float64)
+    hidden = random_well_conditioned((3,), 8, gen)
+    xb, yb = torch.linalg.solve(hidden, xa), hidden.mT @ ya  # A = hidden maps (xb, yb) to (xa, ya)
+    fitted = fit_free_maps(xa, ya, xb, yb)
+    assert torch.allclose(fitted, hidden, atol=1e-8)
+
+    xc = torch.randn(3, 8, 40, generator=gen, dtype=torch.float64)
+    yc = torch.randn(3, 8, 30, generator=gen, dtype=torch.float64)
+    fitted = fit_free_maps(xa, ya, xc, yc)
+    moved = (fitted @ xc - xa).norm() ** 2 + (torch.linalg.solve(fitted.mT, yc) - ya).norm() ** 2
+    unmoved = (xc - xa).norm() ** 2 + (yc - ya).norm() ** 2
+    assert moved < unmoved
+
+
+@pytest.mark.parametrize("rotary_dims", [4, 8])
+def test_rope_maps_commute_with_rope_and_recover_a_hidden_rope_map(rotary_dims):
+    gen = torch.Generator().manual_seed(1)
+    xa = torch.randn(2, 8, 40, generator=gen, dtype=torch.float64)
+    ya = torch.randn(2, 8, 40, generator=gen, dtype=torch.float64)
+    hidden = random_rope_maps(2, 8, rotary_dims, gen)
+    xb, yb = torch.linalg.solve(hidden, xa), hidden.mT @ ya
+    fitted = fit_rope_maps(xa, ya, xb, yb, rotary_dims)
+    assert torch.allclose(fitted, hidden, atol=1e-8)
+
+    xc = torch.randn(2, 8, 40, generator=gen, dtype=torch.float64)
+    fitted = fit_rope_maps(xa, ya, xc, ya.flip(-1), rotary_dims)
+    assert rope_commutation_error(fitted, rotary_dims) < 1e-12
+    assert torch.linalg.matrix_rank(fitted).min() == 8
