@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +18,12 @@ def check_output_free(out: Path, overwrite: bool = False) -> None:
         raise LmcError(f"output {str(out)!r} already exists; remove it or pass --overwrite")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it replaces ``out``, on any error it is
@@ -29,6 +36,8 @@ def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         yield tmp
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
+        # mkdtemp makes the folder private (0700); the output gets the usual permissions.
+        tmp.chmod(0o777 & ~_umask())
         tmp.rename(out)
     finally:
         if tmp.exists():

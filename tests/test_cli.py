@@ -176,3 +176,20 @@ def test_shipped_recipes_parse(recipe):
 
     parsed = parse_recipe(recipe.read_text())
     assert parsed.plugin_method is None or parsed.settings is not None
+
+
+def test_staged_output_appears_whole_with_the_usual_permissions(tmp_path):
+    import os
+
+    from lmc_mergekit.staging import staged_output
+
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), staged_output(out) as staging:
+        (staging / "half.txt").write_text("x")
+        raise RuntimeError("interrupted")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    with staged_output(out) as staging:
+        (staging / "whole.txt").write_text("x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / "whole.txt").is_file() and (out.stat().st_mode & 0o777) == 0o777 & ~mask

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VARIANTS
+from tiny_models import VARIANTS, probe_ids
 
+from lmc_mergekit.evaluation.barrier import interpolation_losses
 from lmc_mergekit.matching import match_weights
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
 from lmc_mergekit.models.adapters import open_model
@@ -44,6 +45,13 @@ def test_matching_undoes_a_scramble_exactly(variant, model_dirs, tmp_path):
     if spec.norm == "layernorm":
         ones = torch.ones(spec.hidden_size, dtype=torch.float64)
         assert torch.allclose(ones @ result.transform.rotation, ones, atol=1e-10)
+    # Written out, the recovered copy lies on a flat path with the (absorbed) original.
+    absorb = Transform(spec.num_layers, absorb_norms=True)
+    transform_checkpoint(source, tmp_path / "a", absorb, progress=False)
+    transform_checkpoint(scrambled, tmp_path / "b", result.transform, progress=False)
+    ids = probe_ids(shape=(4, 32))
+    losses = interpolation_losses(tmp_path / "a", tmp_path / "b", ids, points=3).losses
+    assert max(losses) - min(losses) < 1e-5
 
 
 def test_free_maps_recover_a_hidden_map_and_improve_unrelated_heads():

@@ -96,7 +96,6 @@ def build_zoo_model(
     root = Path(root).expanduser().absolute()
     source = None if data_source is None else str(data_source)
     fingerprint = data_fingerprint(source, field)
-    settings = dict(vocab_size=vocab_size, seq_len=seq_len, batch_size=batch_size, lr=lr)
     name = zoo_model_name(
         arch,
         hidden,
@@ -104,8 +103,11 @@ def build_zoo_model(
         seed,
         steps,
         data_tag=None if source is None else fingerprint[:8],
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        lr=lr,
         warmup=warmup,
-        **settings,
     )
     out = root / name
     if (out / ZOO_INFO).is_file():

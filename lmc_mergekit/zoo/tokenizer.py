@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.data.sequences import DataConfig
-from lmc_mergekit.data.sources import iter_texts
+from lmc_mergekit.data.sources import HUB_PREFIX, iter_texts
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.staging import staged_output
 
@@ -57,9 +57,12 @@ def train_tokenizer(data: DataConfig, vocab_size: int = 4096) -> PreTrainedToken
 
 def data_fingerprint(source: str | Path | None, field: str = "text") -> str:
     """A short hex key of the text ``source`` names: the bundled corpus (file names and sizes),
-    or the path, field and every file's name, size and modification time."""
+    a Hub dataset's name, or the path, field and every file's name, size and modification
+    time."""
     if source is None:
         payload: dict = {"bundled": [[p.name, p.stat().st_size] for p in bundled_text_files()]}
+    elif str(source).startswith(HUB_PREFIX):  # a Hub dataset: only its name is known here
+        payload = {"hub": str(source), "field": field}
     else:
         path = Path(source).expanduser().absolute()
         files = sorted(path.rglob("*")) if path.is_dir() else [path]
