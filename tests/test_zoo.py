@@ -17,7 +17,7 @@ import lmc_mergekit.zoo as zoo
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.data.sequences import DataConfig, load_split
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.evaluation.loss import mean_token_loss
+from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES, mean_token_loss
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.plugin.cli import main
 from lmc_mergekit.zoo import build_zoo, build_zoo_model, parse_seeds, read_zoo_info
@@ -122,7 +122,9 @@ def test_build_saves_a_stock_checkpoint_and_reuses_it(text, tmp_path, monkeypatc
     # The saved model is the trained one: its held-out loss is the recorded one.
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    validation = load_split(DataConfig(str(text), seq_len=32), tokenizer, "validation", 64)
+    validation = load_split(
+        DataConfig(str(text), seq_len=32), tokenizer, "validation", DEFAULT_EVAL_SEQUENCES
+    )
     loss = mean_token_loss(model, validation).loss
     assert loss == pytest.approx(info["training"]["validation_loss"], abs=1e-5)
     assert open_model(str(path)).spec.num_layers == 2  # the project's own adapters read it

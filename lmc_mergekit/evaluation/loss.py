@@ -12,6 +12,10 @@ from tqdm import tqdm
 
 from lmc_mergekit.errors import LmcError
 
+# Test-split sequences evaluated by default (65k tokens of 128): enough for a stable mean loss
+# on small models, and the same everywhere (eval, barrier, lmc_dm reports, zoo records).
+DEFAULT_EVAL_SEQUENCES = 512
+
 
 @dataclass(frozen=True)
 class LossResult:

@@ -11,6 +11,7 @@ import click
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
 from lmc_mergekit.plugin.cache import default_cache_dir
 
 
@@ -237,7 +238,11 @@ def zoo_command(
     help="Which split of the data to evaluate on",
 )
 @click.option(
-    "--max-sequences", type=click.IntRange(min=1), default=None, help="Stop after N sequences"
+    "--max-sequences",
+    type=click.IntRange(min=1),
+    default=DEFAULT_EVAL_SEQUENCES,
+    show_default=True,
+    help="Most sequences of the split evaluated",
 )
 @click.option(
     "--batch-size",
@@ -314,8 +319,8 @@ def eval_command(
 @click.option("--points", type=int, default=11, show_default=True, help="λ grid points from A to B")
 @click.option(
     "--max-sequences",
-    type=int,
-    default=512,
+    type=click.IntRange(min=1),
+    default=DEFAULT_EVAL_SEQUENCES,
     show_default=True,
     help="Most test-split sequences evaluated",
 )

@@ -11,6 +11,7 @@ from mergekit.config import MergeConfiguration
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
 
 
 class Section(BaseModel):
@@ -45,7 +46,9 @@ class AlignmentSettings(Section):
     )
     field: str = Field("text", description="text field of JSON Lines or datasets rows")
     seq_len: int = Field(128, ge=2, description="tokens per evaluation sequence")
-    eval_sequences: int = Field(512, ge=1, description="most test-split sequences evaluated")
+    eval_sequences: int = Field(
+        DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
+    )
     points: int = Field(11, ge=3, description="λ grid points along the path")
 
     @model_validator(mode="after")

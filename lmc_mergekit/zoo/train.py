@@ -17,14 +17,13 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lmc_mergekit.data.sequences import DataConfig, load_split
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.evaluation.loss import mean_token_loss
+from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES, mean_token_loss
 
 # Tuned on the bundled corpus for a 4-layer d=128 GPT-NeoX, batch 16x128, 1500 steps.
 DEFAULT_LR = 6e-3
 DEFAULT_WARMUP = 100
 WEIGHT_DECAY = 0.1
 MIN_LR_FRACTION = 0.1  # the cosine decays to this fraction of the peak rate
-EVAL_SEQUENCES = 64
 SMOOTHING = 0.98  # of the reported training loss (an exponential moving average)
 
 
@@ -44,7 +43,8 @@ def train_model(
     """Train a model of ``config`` from scratch on the train split of ``data`` for ``steps``
     AdamW steps of ``batch_size`` sequences; return it (in eval mode) and a record of the run:
     settings, smoothed final training loss, validation and test loss (on up to
-    :data:`EVAL_SEQUENCES` sequences each), wall time, tokens per second and parameter count.
+    :data:`DEFAULT_EVAL_SEQUENCES` sequences each), wall time, tokens per second and parameter
+    count.
 
     The learning rate warms up linearly over ``warmup`` steps (at most a fifth of training) and
     then decays along a cosine to a tenth of ``lr``. The model is initialised on the CPU and
@@ -57,7 +57,7 @@ def train_model(
     train = load_split(data, tokenizer, "train")
     # Held-out text is loaded first: too little of it is better found before training.
     held_out = {
-        split: load_split(data, tokenizer, split, max_sequences=EVAL_SEQUENCES)
+        split: load_split(data, tokenizer, split, max_sequences=DEFAULT_EVAL_SEQUENCES)
         for split in ("validation", "test")
     }
     warmup = max(0, min(warmup, steps // 5))
