@@ -100,3 +100,20 @@ def test_barrier_command_matches_the_report(weight_matched, trained_pair, tmp_pa
 def test_barrier_refuses_models_of_different_shapes(trained_pair, model_dirs):
     result = CliRunner().invoke(main, ["barrier", str(trained_pair[0]), str(model_dirs["llama"])])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_three_models_are_all_aligned_to_the_first(trained_pair, tmp_path):
+    a, b = trained_pair
+    scrambled = tmp_path / "scrambled"
+    assert CliRunner().invoke(main, ["scramble", str(a), str(scrambled)]).exit_code == 0
+    recipe = pair_recipe(a, b)
+    recipe["models"].append({"model": str(scrambled), "parameters": {"weight": 1.0}})
+    result = run_recipe(recipe, tmp_path, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "lmc_report.json").read_text())
+    assert [pair["b"] for pair in report["pairs"]] == [str(b), str(scrambled)]
+    assert len(report["matching"]) == 2
+    # The scrambled copy of the first model is matched back onto it exactly.
+    assert abs(report["pairs"][1]["aligned"]["barrier"]) < 1e-4
+    assert report["pairs"][0]["aligned"]["barrier"] < report["pairs"][0]["raw"]["barrier"]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None

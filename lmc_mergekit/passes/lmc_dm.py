@@ -26,7 +26,7 @@ from lmc_mergekit.transform_checkpoint import transform_checkpoint
 
 REPORT_FILE = "lmc_report.json"
 PLOT_FILE = "lmc_barrier.png"
-CURVE_LABELS = {"none": "raw", "weights": "weight matching"}
+ALIGNED_LABEL = "weight matching"
 
 
 def run(ctx: PassContext) -> None:
@@ -77,21 +77,7 @@ def run(ctx: PassContext) -> None:
     if test is None:
         return
     sequences, data = test
-    pairs = []
-    curves: dict[str, PathLoss] = {}
-    for index in range(1, len(views)):
-        pair = {"a": str(ctx.inputs[0]), "b": str(ctx.inputs[index])}
-        for kind, (a, b) in (
-            ("raw", (ctx.inputs[0], ctx.inputs[index])),
-            ("aligned", (ctx.outputs[0], ctx.outputs[index])),
-        ):
-            if kind == "aligned" and settings.matching == "none":
-                continue
-            path = _path(a, b, sequences, settings, ctx)
-            pair[kind] = path.to_dict()
-            label = "raw" if kind == "raw" else CURVE_LABELS[settings.matching]
-            curves[label if len(views) == 2 else f"{label}, 1→{index + 1}"] = path
-        pairs.append(pair)
+    pairs, curves = _measure_paths(ctx, sequences)
     report = {
         "method": "lmc_dm",
         "settings": settings.model_dump(mode="json"),
@@ -108,6 +94,33 @@ def run(ctx: PassContext) -> None:
     ctx.report_dir.mkdir(parents=True, exist_ok=True)
     (ctx.report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
     plot_paths(ctx.report_dir / PLOT_FILE, curves, "lmc_dm: test loss along the path")
+
+
+def _measure_paths(
+    ctx: PassContext, sequences: torch.Tensor
+) -> tuple[list[dict], dict[str, PathLoss]]:
+    """The loss along the path from the first input to each other one, raw and aligned."""
+    aligned = ctx.settings.matching != "none"
+    pairs, curves = [], {}
+    for index in range(1, len(ctx.inputs)):
+        pair = {"a": str(ctx.inputs[0]), "b": str(ctx.inputs[index])}
+        ends = {"raw": (ctx.inputs[0], ctx.inputs[index])}
+        if aligned:
+            ends["aligned"] = (ctx.outputs[0], ctx.outputs[index])
+        for kind, (a, b) in ends.items():
+            path = interpolation_losses(
+                a,
+                b,
+                sequences,
+                points=ctx.settings.points,
+                device=pass_device(ctx.options),
+                progress=not ctx.options.quiet,
+            )
+            pair[kind] = path.to_dict()
+            label = "raw" if kind == "raw" else ALIGNED_LABEL
+            curves[label if len(ctx.inputs) == 2 else f"{label}, 1→{index + 1}"] = path
+        pairs.append(pair)
+    return pairs, curves
 
 
 def finish(ctx: FinishContext) -> str:
@@ -150,17 +163,6 @@ def card_section(report: dict) -> str:
         lines.append(f"\nMerged model test loss: {report['merged']['test_loss']:.3f}.")
     lines.append(f"\n![loss along the path]({PLOT_FILE})\n")
     return "\n".join(lines)
-
-
-def _path(a: Path, b: Path, sequences: torch.Tensor, settings, ctx: PassContext) -> PathLoss:
-    return interpolation_losses(
-        a,
-        b,
-        sequences,
-        points=settings.points,
-        device=pass_device(ctx.options),
-        progress=not ctx.options.quiet,
-    )
 
 
 def _load_test(inputs: tuple[Path, ...], settings: AlignmentSettings) -> tuple[torch.Tensor, dict]:
