@@ -76,8 +76,11 @@ def match_weights(
     per-head maps) that brings its weights closest to ``reference``'s."""
     start = time.perf_counter()
     spec = reference.spec
-    if spec.shape_summary() != other.spec.shape_summary():
-        raise LmcError("weight matching needs two models of one shape")
+    mismatch = spec.shape_mismatch(other.spec)
+    if mismatch is not None:
+        raise LmcError(
+            "weight matching needs two models of one shape: {} is {} vs {}".format(*mismatch)
+        )
     absorb = Transform(spec.num_layers, absorb_norms=True)
     a = _float64(apply_transform(reference, absorb))
     b = _float64(apply_transform(other, absorb))

@@ -60,6 +60,11 @@ class ModelSpec:
             "learned_positions": self.learned_positions,
         }
 
+    def shape_mismatch(self, other: ModelSpec) -> tuple[str, int, int] | None:
+        """The first size (name, this model's, the other's) in which ``other`` differs."""
+        a, b = self.shape_summary(), other.shape_summary()
+        return next(((key, a[key], b[key]) for key in a if a[key] != b[key]), None)
+
 
 @dataclass
 class Norm:

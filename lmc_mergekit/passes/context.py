@@ -43,13 +43,13 @@ class PassContext:
                     f"{self.method} needs models of one architecture: {first.folder.name} is "
                     f"{first.spec.architecture}, {view.folder.name} is {view.spec.architecture}"
                 )
-            a, b = first.spec.shape_summary(), view.spec.shape_summary()
-            for key in a:
-                if a[key] != b[key]:
-                    raise LmcError(
-                        f"{self.method} needs models of one shape: {key} is {a[key]} in "
-                        f"{first.folder.name} but {b[key]} in {view.folder.name}"
-                    )
+            mismatch = first.spec.shape_mismatch(view.spec)
+            if mismatch is not None:
+                key, a, b = mismatch
+                raise LmcError(
+                    f"{self.method} needs models of one shape: {key} is {a} in "
+                    f"{first.folder.name} but {b} in {view.folder.name}"
+                )
         return views
 
 

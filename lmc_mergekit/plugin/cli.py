@@ -28,15 +28,59 @@ def one_line_errors(fn):
     return wrapper
 
 
+def lmc_cache_option(fn):
+    """``--lmc-cache``: where prepared inputs (and the demo's zoo) are kept."""
+    return click.option(
+        "--lmc-cache",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Cache folder [default: $LMC_MERGEKIT_CACHE or ~/.cache/lmc-mergekit]",
+    )(fn)
+
+
+def evaluation_options(fn):
+    """The data and device options shared by ``eval`` and ``barrier``."""
+    options = [
+        click.option(
+            "--data",
+            metavar="PATH",
+            default=None,
+            help="Text file, .jsonl, folder, saved dataset or hf:NAME[:SPLIT] "
+            "[default: bundled corpus]",
+        ),
+        click.option("--field", default="text", show_default=True, help="Text field of records"),
+        click.option(
+            "--seq-len",
+            type=click.IntRange(min=2),
+            default=128,
+            show_default=True,
+            help="Tokens per sequence",
+        ),
+        click.option(
+            "--max-sequences",
+            type=click.IntRange(min=1),
+            default=DEFAULT_EVAL_SEQUENCES,
+            show_default=True,
+            help="Most sequences of the split evaluated",
+        ),
+        click.option(
+            "--batch-size",
+            type=click.IntRange(min=1),
+            default=16,
+            show_default=True,
+            help="Sequences per forward pass",
+        ),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N]"),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 @click.command("lmc-mergekit-yaml", cls=PrettyPrintHelp)
 @click.argument("config_file")
 @click.argument("out_path")
-@click.option(
-    "--lmc-cache",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Folder for prepared inputs [default: $LMC_MERGEKIT_CACHE or ~/.cache/lmc-mergekit]",
-)
+@lmc_cache_option
 @click.option("--overwrite", is_flag=True, help="Replace OUT_PATH if it exists and is not empty")
 @add_merge_options
 @one_line_errors
@@ -216,20 +260,7 @@ def zoo_command(
 
 @main.command("eval")
 @click.argument("model")
-@click.option(
-    "--data",
-    metavar="PATH",
-    default=None,
-    help="Text file, .jsonl, folder, saved dataset or hf:NAME[:SPLIT] [default: bundled corpus]",
-)
-@click.option("--field", default="text", show_default=True, help="Text field of JSONL/datasets")
-@click.option(
-    "--seq-len",
-    type=click.IntRange(min=2),
-    default=128,
-    show_default=True,
-    help="Tokens per sequence",
-)
+@evaluation_options
 @click.option(
     "--split",
     type=click.Choice(["train", "validation", "test"]),
@@ -237,21 +268,6 @@ def zoo_command(
     show_default=True,
     help="Which split of the data to evaluate on",
 )
-@click.option(
-    "--max-sequences",
-    type=click.IntRange(min=1),
-    default=DEFAULT_EVAL_SEQUENCES,
-    show_default=True,
-    help="Most sequences of the split evaluated",
-)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="Sequences per forward pass",
-)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")
 @click.option(
     "--json",
     "json_file",
@@ -307,25 +323,8 @@ def eval_command(
 @main.command("barrier")
 @click.argument("model_a")
 @click.argument("model_b")
-@click.option(
-    "--data",
-    default=None,
-    help="Evaluation text: a file, folder, .jsonl or datasets folder [default: the bundled corpus]",
-)
-@click.option(
-    "--field", default="text", show_default=True, help="Text field of JSON Lines / datasets rows"
-)
-@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per sequence")
+@evaluation_options
 @click.option("--points", type=int, default=11, show_default=True, help="λ grid points from A to B")
-@click.option(
-    "--max-sequences",
-    type=click.IntRange(min=1),
-    default=DEFAULT_EVAL_SEQUENCES,
-    show_default=True,
-    help="Most test-split sequences evaluated",
-)
-@click.option("--batch-size", type=int, default=16, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
 @click.option(
     "--json",
     "json_path",
@@ -409,12 +408,7 @@ def barrier_command(
     default=None,
     help="Zoo folder [default: <cache>/zoo]",
 )
-@click.option(
-    "--lmc-cache",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Cache folder [default: $LMC_MERGEKIT_CACHE or ~/.cache/lmc-mergekit]",
-)
+@lmc_cache_option
 @click.option("--overwrite", is_flag=True, help="Replace OUT/merged if it exists")
 @one_line_errors
 def demo_command(
