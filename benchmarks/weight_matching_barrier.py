@@ -51,7 +51,7 @@ def main() -> None:
         out = run_recipe_file(path, work / arch, MergeOptions(quiet=True), work / "cache")
         report = json.loads((out / "lmc_report.json").read_text())
         pair = report["pairs"][0]
-        raw, aligned = pair["raw"]["barrier"], pair["aligned"]["barrier"]
+        raw, aligned = pair["raw"]["barrier"], pair["matched"]["barrier"]
         rows.append(
             (
                 f"{arch} d={args.hidden} L={args.layers} {args.steps} steps",

@@ -132,8 +132,10 @@ def test_registration_is_idempotent():
             "belongs to merge_method: lmc_dm",
         ),
         (lambda r: r["models"][1].update(model="/no/such/model"), "does not exist"),
-        (lambda r: r.update(alignment={"steps": 5}), "not implemented yet"),
-        (lambda r: r.update(alignment={"evaluate": True}), "has no tokenizer"),
+        (lambda r: r.update(alignment={"combine": "magic"}), "'magic' is not a mergekit method"),
+        (lambda r: r.update(alignment={"steps": 5, "learn": []}), "learn: is empty"),
+        (lambda r: r.update(alignment={"steps": 0, "evaluate": True}), "has no tokenizer"),
+        (lambda r: r.update(alignment={"steps": 5, "evaluate": False}), "or use steps: 0"),
     ],
 )
 def test_bad_recipes_fail_in_one_line_and_leave_nothing(tmp_path, change, needle):

@@ -47,11 +47,11 @@ def weight_matched(trained_pair, tmp_path_factory):
 def test_weight_matching_lowers_the_barrier(weight_matched):
     report = json.loads((weight_matched / "lmc_report.json").read_text())
     pair = report["pairs"][0]
-    raw, aligned = pair["raw"]["barrier"], pair["aligned"]["barrier"]
+    raw, aligned = pair["raw"]["barrier"], pair["matched"]["barrier"]
     assert raw > 0.2, "the trained pair should show a barrier to begin with"
     assert aligned < 0.5 * raw
     # Alignment moves no endpoint: both still compute their source's function.
-    assert pair["aligned"]["endpoint_losses"] == pytest.approx(
+    assert pair["matched"]["endpoint_losses"] == pytest.approx(
         pair["raw"]["endpoint_losses"], abs=1e-4
     )
     assert (
@@ -69,7 +69,7 @@ def test_merged_model_loss_equals_the_path_at_its_weights(weight_matched, traine
     tokenizer = load_tokenizer(list(trained_pair))
     sequences = load_split(DataConfig(seq_len=EVAL["seq_len"]), tokenizer, "test", 64)
     loss = mean_token_loss(model, sequences).loss
-    aligned = report["pairs"][0]["aligned"]
+    aligned = report["pairs"][0]["matched"]
     at_half = aligned["losses"][aligned["lambdas"].index(0.5)]
     assert loss == pytest.approx(at_half, abs=1e-4)
     assert report["merged"]["test_loss"] == pytest.approx(loss, abs=1e-6)
@@ -79,7 +79,7 @@ def test_unaligned_baseline_reports_the_raw_path_only(trained_pair, tmp_path):
     result = run_recipe(pair_recipe(*trained_pair, matching="none"), tmp_path, tmp_path / "out")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "out" / "lmc_report.json").read_text())
-    assert "aligned" not in report["pairs"][0] and report["matching"] == []
+    assert "matched" not in report["pairs"][0] and report["matching"] == []
     midpoint = report["pairs"][0]["raw"]["losses"][2]
     assert report["merged"]["test_loss"] == pytest.approx(midpoint, abs=1e-4)
 
@@ -114,6 +114,6 @@ def test_three_models_are_all_aligned_to_the_first(trained_pair, tmp_path):
     assert [pair["b"] for pair in report["pairs"]] == [str(b), str(scrambled)]
     assert len(report["matching"]) == 2
     # The scrambled copy of the first model is matched back onto it exactly.
-    assert abs(report["pairs"][1]["aligned"]["barrier"]) < 1e-4
-    assert report["pairs"][0]["aligned"]["barrier"] < report["pairs"][0]["raw"]["barrier"]
+    assert abs(report["pairs"][1]["matched"]["barrier"]) < 1e-4
+    assert report["pairs"][0]["matched"]["barrier"] < report["pairs"][0]["raw"]["barrier"]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None

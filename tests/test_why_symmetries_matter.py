@@ -38,7 +38,7 @@ def test_linear_merge_with_a_scrambled_copy_is_much_worse_and_lmc_dm_repairs_it(
     result = CliRunner().invoke(main, ["scramble", str(model), str(scrambled), "--seed", "3"])
     assert result.exit_code == 0, result.output
     merge("linear", model, scrambled, tmp_path / "linear", tmp_path)
-    evaluation = {"seq_len": 64, "eval_sequences": 64, "points": 3}
+    evaluation = {"steps": 0, "seq_len": 64, "eval_sequences": 64, "points": 3}
     merge("lmc_dm", model, scrambled, tmp_path / "lmc_dm", tmp_path, alignment=evaluation)
 
     test = load_split(DataConfig(seq_len=64), load_tokenizer([model]), "test", 64)
@@ -54,5 +54,5 @@ def test_linear_merge_with_a_scrambled_copy_is_much_worse_and_lmc_dm_repairs_it(
     # ... while weight matching finds the symmetry back: the merge is the model itself.
     assert abs(aligned - original) < 1e-4, (original, aligned)
     report = json.loads((tmp_path / "lmc_dm" / "lmc_report.json").read_text())
-    assert abs(report["pairs"][0]["aligned"]["barrier"]) < 1e-4
+    assert abs(report["pairs"][0]["matched"]["barrier"]) < 1e-4
     assert report["pairs"][0]["raw"]["barrier"] > 0.25

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from mergekit.options import MergeOptions
 
+from lmc_mergekit.distributed import Processes
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import CheckpointView, open_model
 from lmc_mergekit.plugin.recipe import Recipe, Section
@@ -18,13 +21,18 @@ def pass_device(options: MergeOptions):
     is one."""
     from lmc_mergekit.evaluation.loss import resolve_device
 
-    return resolve_device(options.device or ("cuda" if options.cuda else "auto"))
+    device = resolve_device(options.device or ("cuda" if options.cuda else "auto"))
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # one GPU per process
+    return device
 
 
 @dataclass(frozen=True)
 class PassContext:
     """What a pass gets: inputs (recipe order), where to write each, settings, mergekit options,
-    and a folder for its report (copied next to the merged model)."""
+    a folder for its report (copied next to the merged model), a folder for resumable state
+    that survives an interrupted run (removed once the pass succeeds), and the processes of a
+    distributed run (only the main one writes outputs)."""
 
     method: str
     inputs: tuple[Path, ...]
@@ -32,6 +40,8 @@ class PassContext:
     settings: Section
     options: MergeOptions
     report_dir: Path
+    state_dir: Path
+    processes: Processes = field(default_factory=Processes)
 
     def open_inputs(self) -> list[CheckpointView]:
         """Views of every input, refused unless they share one architecture and shape."""

@@ -13,9 +13,11 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
+from lmc_mergekit.distributed import Processes, processes
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.checkpoint import model_dir
 from lmc_mergekit.passes import PASSES, FinishContext, PassContext
+from lmc_mergekit.passes.context import pass_device
 from lmc_mergekit.plugin.cache import COMPLETE_FILE, cache_key
 from lmc_mergekit.plugin.card import write_card
 from lmc_mergekit.plugin.methods import write_provenance
@@ -40,21 +42,35 @@ def run_recipe_file(
         raise LmcError(f"recipe {str(recipe_path)!r} does not exist")
     recipe = parse_recipe(path.read_text(encoding="utf-8"))
     out = Path(out).expanduser().absolute()
+    procs = processes(pass_device(options))
+    if not procs.is_main:
+        # Under torchrun / accelerate launch the other processes only help with the pass.
+        if recipe.plugin_method is not None:
+            prepare_inputs(recipe, options, cache_dir, procs)
+        return out
     with staged_output(out, overwrite) as staging:
-        run_recipe(recipe, staging, out.name, options, cache_dir)
+        run_recipe(recipe, staging, out.name, options, cache_dir, procs)
     return out
 
 
 def run_recipe(
-    recipe: Recipe, folder: Path, name: str, options: MergeOptions, cache_dir: Path
+    recipe: Recipe,
+    folder: Path,
+    name: str,
+    options: MergeOptions,
+    cache_dir: Path,
+    procs: Processes | None = None,
 ) -> None:
     """Merge into ``folder``: built-in methods as ``mergekit-yaml`` would; plugin methods after
     their pre-merge pass, on the prepared checkpoints, with a card from the original recipe."""
     if recipe.plugin_method is None:
         run_merge(recipe.config.model_copy(deep=True), str(folder), options, recipe.source)
         return
-    prepared, report_dir = prepare_inputs(recipe, options, cache_dir)
+    prepared, report_dir = prepare_inputs(recipe, options, cache_dir, procs or Processes())
     config = _with_prepared_models(recipe.config, prepared)
+    combine = getattr(recipe.settings, "combine", None)
+    if combine is not None:
+        config = config.model_copy(update={"merge_method": combine})
     run_merge(
         config,
         str(folder),
@@ -92,14 +108,16 @@ def recipe_inputs(config: MergeConfiguration, method: str) -> list[Path]:
 
 
 def prepare_inputs(
-    recipe: Recipe, options: MergeOptions, cache_dir: Path
+    recipe: Recipe, options: MergeOptions, cache_dir: Path, procs: Processes
 ) -> tuple[dict[str, Path], Path]:
     """Prepared checkpoints for every input (from the cache, or by running the method's pass),
-    and the folder holding the pass's report files."""
+    and the folder holding the pass's report files. Resumable state of an interrupted pass
+    lives next to the entry until the pass succeeds."""
     method = recipe.plugin_method.name
     inputs = recipe_inputs(recipe.config, method)
     key = cache_key(method, recipe.settings, inputs)
     entry = cache_dir / method / key
+    state_dir = cache_dir / method / f".{key}.state"
     outputs = [entry / f"model-{i}" for i in range(len(inputs))]
     if (entry / COMPLETE_FILE).is_file():
         LOG.info("reusing prepared inputs from %s", entry)
@@ -114,8 +132,12 @@ def prepare_inputs(
                 settings=recipe.settings,
                 options=options,
                 report_dir=work / REPORT_DIR,
+                state_dir=state_dir,
+                processes=procs,
             )
             PASSES[method].run(ctx)
+            if not procs.is_main:
+                return {}, entry / REPORT_DIR
             for source, folder in zip(inputs, ctx.outputs, strict=True):
                 write_provenance(folder, method, {"source": str(source), "cache_key": key})
             (work / COMPLETE_FILE).write_text(
@@ -124,6 +146,7 @@ def prepare_inputs(
             if entry.exists():  # an interrupted or concurrent run left one behind
                 shutil.rmtree(entry)
             work.rename(entry)
+            shutil.rmtree(state_dir, ignore_errors=True)
         finally:
             if work.exists():
                 shutil.rmtree(work, ignore_errors=True)

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
 
+# Learned-matching steps when a recipe does not say (about a minute for a d=128 pair on 2 cores).
+DEFAULT_STEPS = 200
+
 
 class Section(BaseModel):
     """A plugin section: unknown keys are errors (mergekit silently ignores them)."""
@@ -29,34 +32,79 @@ class AlignmentSettings(Section):
         "matching",
     )
     steps: int = Field(
-        0,
+        DEFAULT_STEPS,
         ge=0,
         description="learned-matching steps after weight matching (0: weight matching only)",
     )
     max_iterations: int = Field(
         30, ge=1, description="weight matching: most rounds of coordinate descent"
     )
+    lr: float = Field(0.01, gt=0, description="learned matching: peak AdamW learning rate")
+    warmup: float = Field(
+        0.1, ge=0, lt=1, description="learned matching: fraction of the steps warming up"
+    )
+    batch_size: int = Field(16, ge=1, description="learned matching: sequences per step")
+    weight_decay: float = Field(0.0, ge=0, description="learned matching: AdamW weight decay")
+    sampler: Literal["uniform", "band", "half"] = Field(
+        "uniform",
+        description="λ per step: uniform (flat Dirichlet), band (near the centre), half (fixed)",
+    )
+    dual: bool = Field(
+        True, description="learn the first model's symmetries too (false: one-sided)"
+    )
+    learn: list[Literal["residual", "scale", "qk", "ov"]] = Field(
+        ["residual", "scale", "qk", "ov"], description="the symmetry families learned"
+    )
+    parametrization: Literal["polar", "cayley", "matrix_exp", "unconstrained"] = Field(
+        "polar", description="how maps are parametrised (see symmetry.parametrize)"
+    )
+    checkpoint_every: int = Field(
+        50, ge=1, description="learned matching: steps between resumable checkpoints"
+    )
+    seed: int = Field(0, ge=0, description="learned matching: seed of batches and λ")
+    calibration_sequences: int = Field(
+        4096, ge=1, description="most train-split sequences learned matching draws from"
+    )
+    combine: str | None = Field(
+        None,
+        description="mergekit method combining the aligned models (default: the recipe's "
+        "weighted average)",
+    )
     evaluate: bool = Field(
         True, description="measure the loss along the path before and after alignment"
     )
     data: str | None = Field(
         None,
-        description="evaluation text (file, folder, .jsonl, datasets folder; default: the "
-        "bundled corpus)",
+        description="calibration and evaluation text (file, folder, .jsonl, datasets folder; "
+        "default: the bundled corpus)",
     )
     field: str = Field("text", description="text field of JSON Lines or datasets rows")
-    seq_len: int = Field(128, ge=2, description="tokens per evaluation sequence")
+    seq_len: int = Field(128, ge=2, description="tokens per sequence")
     eval_sequences: int = Field(
         DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
     )
     points: int = Field(11, ge=3, description="λ grid points along the path")
 
     @model_validator(mode="after")
-    def _steps_need_matching(self) -> AlignmentSettings:
-        if self.steps and self.matching == "none":
-            raise ValueError(
-                "learned matching (steps > 0) starts from weight matching; set matching: weights"
-            )
+    def _consistent(self) -> AlignmentSettings:
+        if self.matching == "none":
+            if self.steps and "steps" in self.model_fields_set:
+                raise ValueError(
+                    "learned matching (steps > 0) starts from weight matching; set matching: "
+                    "weights or steps: 0"
+                )
+            self.steps = 0  # the baseline learns nothing
+        if self.steps and not self.learn:
+            raise ValueError("learn: is empty; name a symmetry family or set steps: 0")
+        if self.combine is not None:
+            from mergekit import merge_methods
+
+            known = sorted(m.spec.name for m in merge_methods.registered_methods())
+            if self.combine not in known or self.combine in PLUGIN_METHODS:
+                raise ValueError(
+                    f"combine: {self.combine!r} is not a mergekit method (use one of: "
+                    f"{', '.join(k for k in known if k not in PLUGIN_METHODS)})"
+                )
         return self
 
 

@@ -1,6 +1,8 @@
 """Applying a :class:`Transform` to a model view, one part at a time.
 
-Every action is computed in float64 and cast back to the source dtype. See the transform module
+The actions are plain differentiable torch operations in the dtype of their inputs: a
+:class:`TransformedView` computes in float64 and casts back to the source dtype; learned matching
+runs the same functions on float32 parts with trainable group elements. See the transform module
 for the order of operations and the reference notes (§2) for the algebra.
 """
 
@@ -32,7 +34,7 @@ MIN_GAIN = 1e-6
 def apply_transform(view: ModelView, transform: Transform) -> TransformedView:
     """The view of ``view`` moved by ``transform`` (lazy: parts are transformed when read)."""
     transform.check_fits(view.spec)
-    return TransformedView(view, transform)
+    return TransformedView(view, transform.to(torch.float64))
 
 
 class TransformedView:
@@ -122,9 +124,9 @@ def apply_layer_transform(block: Block, spec: ModelSpec, layer: LayerTransform) 
     if layer.ffn_perm is not None:
         mlp = permute_ffn(mlp, layer.ffn_perm)
     if layer.qk is not None:
-        attn = apply_qk_maps(attn, spec, layer.qk.double())
+        attn = apply_qk_maps(attn, spec, layer.qk)
     if layer.ov is not None:
-        attn = apply_ov_maps(attn, spec, layer.ov.double())
+        attn = apply_ov_maps(attn, spec, layer.ov)
     return replace(block, attn=attn, mlp=mlp)
 
 
@@ -168,16 +170,16 @@ def _rotate_readers(
     """Readers of ``x·Q``: ``W ← W·Q``; a bias kept in the (absorbed) norm turns with the stream."""
     if rotation is None:
         return norm, readers
-    q = rotation.double()
-    bias = None if norm.bias is None else norm.bias @ q
-    return Norm(norm.weight, bias), [(w @ q, b) for w, b in readers]
+    bias = None if norm.bias is None else norm.bias @ rotation
+    return Norm(norm.weight, bias), [(w @ rotation, b) for w, b in readers]
 
 
 def _write(x: torch.Tensor, t: Transform) -> torch.Tensor:
     """Rows written into the residual stream: ``x ← g·x·Q``."""
     if t.rotation is not None:
-        x = x @ t.rotation.double()
-    return x * t.scale if t.scale != 1.0 else x
+        x = x @ t.rotation
+    # A learned scale is a tensor and always multiplies (it carries a gradient even at 1).
+    return x * t.scale if isinstance(t.scale, torch.Tensor) or t.scale != 1.0 else x
 
 
 def _write_linear(

@@ -15,7 +15,7 @@ the same function).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,8 @@ class Transform:
     num_layers: int
     absorb_norms: bool = False
     rotation: torch.Tensor | None = None
-    scale: float = 1.0
+    #: A float, or a 0-d tensor while it is being learned.
+    scale: float | torch.Tensor = 1.0
     layers: tuple[LayerTransform, ...] = field(default=())
 
     def __post_init__(self):
@@ -67,6 +68,22 @@ class Transform:
     @classmethod
     def identity(cls, num_layers: int) -> Transform:
         return cls(num_layers=num_layers)
+
+    def to(self, dtype: torch.dtype) -> Transform:
+        """This transform with its rotation and maps (and a tensor scale) in ``dtype``."""
+
+        def cast(x):
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return Transform(
+            num_layers=self.num_layers,
+            absorb_norms=self.absorb_norms,
+            rotation=cast(self.rotation),
+            scale=cast(self.scale),
+            layers=tuple(
+                replace(layer, qk=cast(layer.qk), ov=cast(layer.ov)) for layer in self.layers
+            ),
+        )
 
     # ---- group structure ----------------------------------------------------------------
 

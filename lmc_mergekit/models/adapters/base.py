@@ -7,6 +7,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
@@ -30,6 +31,8 @@ class Adapter(ABC):
     model_types: tuple[str, ...] = ()
     #: config.json key holding the norm epsilon.
     eps_key: str = ""
+    #: Checkpoint keys that ``transformers`` modules name differently in their state dict.
+    module_names: ClassVar[dict[str, str]] = {}
 
     @abstractmethod
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
@@ -59,6 +62,17 @@ class Adapter(ABC):
     def config_updates(self, spec: ModelSpec) -> dict:
         """config.json entries that follow from ``spec`` (transforms may change these)."""
         return {self.eps_key: spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings}
+
+    def module_state(self, parts: tuple[Embeddings, list[Block], Head], spec: ModelSpec) -> dict:
+        """The tensors of a model in canonical parts, named as the ``transformers`` module's
+        state dict names them (the head untied)."""
+        emb, blocks, head = parts
+        untied = replace(spec, tied_embeddings=False)
+        tensors = self.embeddings_tensors(emb, spec)
+        for index, block in enumerate(blocks):
+            tensors.update(self.block_tensors(block, spec, index))
+        tensors.update(self.head_tensors(head, untied))
+        return {self.module_names.get(k, k): t for k, t in tensors.items() if t is not None}
 
     # ---- shared machinery -------------------------------------------------------------
 

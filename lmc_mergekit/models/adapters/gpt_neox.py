@@ -3,6 +3,8 @@ parallel or sequential residual."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from transformers import PretrainedConfig
 
@@ -19,6 +21,7 @@ class GPTNeoXAdapter(Adapter):
 
     model_types = ("gpt_neox",)
     eps_key = "layer_norm_eps"
+    module_names: ClassVar[dict[str, str]] = {"embed_out.weight": "lm_head.weight"}
 
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
         heads = config.num_attention_heads

@@ -1,0 +1,316 @@
+"""Learned matching (``lmc_dm`` with ``steps > 0``) on zoo pairs: four measurements.
+
+    python benchmarks/learned_matching.py time     [--zoo DIR] [--arch gpt_neox llama] [--steps N]
+    python benchmarks/learned_matching.py ablation [--zoo DIR] [--arch gpt_neox] [--steps 200]
+    python benchmarks/learned_matching.py step     [--zoo DIR] [--arch gpt_neox llama]
+    python benchmarks/learned_matching.py three    [--zoo DIR] [--hidden 64] [--steps 300]
+
+``time``: the barrier on the test split against wall-clock learning time (evaluation excluded),
+starting from weight matching. ``ablation``: the final barrier of the paper's variants with one
+step budget. ``step``: one alignment step against one plain training step (forward, backward,
+AdamW) of one endpoint on the same batch, and the peak memory of each (separate processes).
+``three``: three seeds aligned at once against pairwise alignment. Barriers use the recipe
+defaults (11 λ points) on ``--eval`` test sequences. Zoo models are built when missing (a d=128
+model takes about 5 minutes on two CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+from lmc_mergekit.matching import match_weights
+from lmc_mergekit.matching.interpolation import InterpolationObjective
+from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.functional import FunctionalModel
+from lmc_mergekit.models.view import materialize
+from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.symmetry.parametrize import FAMILIES
+from lmc_mergekit.zoo import build_zoo
+
+GRID = tuple(i / 10 for i in range(11))
+
+
+class Setup:
+    """Zoo models of one architecture, moved by weight matching onto the first, with data."""
+
+    def __init__(self, args, arch: str, seeds: tuple[int, ...]):
+        self.folders = build_zoo(args.zoo, arch, args.hidden, args.layers, seeds, args.zoo_steps)
+        views = [open_model(folder) for folder in self.folders]
+        start = time.perf_counter()
+        absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
+        matched = [absorb] + [match_weights(views[0], v).transform for v in views[1:]]
+        self.matching_seconds = time.perf_counter() - start
+        self.raw = [materialize(apply_transform(v, absorb)) for v in views]
+        self.endpoints = [
+            materialize(apply_transform(v, t)) for v, t in zip(views, matched, strict=True)
+        ]
+        self.model = FunctionalModel(
+            self.folders[0], views[0].adapter, self.endpoints[0].spec, torch.device("cpu")
+        )
+        tokenizer = load_tokenizer(self.folders)
+        config = DataConfig(seq_len=128)
+        self.train = load_split(config, tokenizer, "train", 4096)
+        self.test = load_split(config, tokenizer, "test", args.eval)
+
+    @torch.no_grad()
+    def path(self, endpoints, pair=(0, 1)) -> list[float]:
+        """Test loss along the straight path between two endpoints."""
+        objective = InterpolationObjective(endpoints, [None] * len(endpoints), self.model)
+        losses = []
+        for lam in GRID:
+            weights = torch.zeros(len(endpoints))
+            weights[pair[0]], weights[pair[1]] = 1 - lam, lam
+            total = sum(objective(weights, x) * len(x) for x in self.test.split(32))
+            losses.append(float(total / len(self.test)))
+        return losses
+
+    def barrier(self, endpoints, pair=(0, 1)) -> float:
+        losses = self.path(endpoints, pair)
+        return max(losses) - (losses[0] + losses[-1]) / 2
+
+    def centre_loss(self, endpoints) -> float:
+        objective = InterpolationObjective(endpoints, [None] * len(endpoints), self.model)
+        weights = torch.full((len(endpoints),), 1 / len(endpoints))
+        with torch.no_grad():
+            return float(
+                sum(objective(weights, x) * len(x) for x in self.test.split(32)) / len(self.test)
+            )
+
+    def learn(self, config: LearningConfig, endpoints=None, on_checkpoint=None):
+        endpoints = endpoints or self.endpoints
+        result = learn_symmetries(
+            endpoints,
+            self.model,
+            self.train,
+            config,
+            progress=True,
+            on_checkpoint=on_checkpoint,
+        )
+        return [moved(e, t) for e, t in zip(endpoints, result.transforms, strict=True)], result
+
+
+def moved(endpoint, transform):
+    return materialize(apply_transform(endpoint, transform))
+
+
+def cmd_time(args) -> None:
+    print("| pair | raw barrier | weight matching | learned: barrier (removed) after seconds |")
+    print("|---|---|---|---|")
+    for arch in args.arch:
+        setup = Setup(args, arch, (0, 1))
+        raw, matched = setup.barrier(setup.raw), setup.barrier(setup.endpoints)
+        marks, clock = [], {"eval": 0.0, "start": time.perf_counter()}
+        every = max(1, args.steps // 20)
+        checkpoints = {every * k for k in (1, 2, 4, 7, 10, 15)} | {args.steps}
+
+        def follow(
+            step,
+            transforms,
+            setup=setup,
+            marks=marks,
+            clock=clock,
+            raw=raw,
+            arch=arch,
+            checkpoints=checkpoints,
+        ):
+            if step not in checkpoints:
+                return
+            tick = time.perf_counter()
+            ends = [moved(e, t) for e, t in zip(setup.endpoints, transforms, strict=True)]
+            barrier = setup.barrier(ends)
+            clock["eval"] += time.perf_counter() - tick
+            seconds = tick - clock["start"] - clock["eval"] + setup.matching_seconds
+            marks.append(f"{barrier:.3f} ({1 - barrier / raw:.0%}) @ {seconds:.0f} s")
+            print(f"  {arch} step {step}: barrier {barrier:.3f} after {seconds:.0f} s", flush=True)
+
+        config = LearningConfig(steps=args.steps, lr=args.lr, checkpoint_every=every)
+        setup.learn(config, on_checkpoint=follow)
+        print(
+            f"| {arch} d={args.hidden} | {raw:.3f} | {matched:.3f} "
+            f"({1 - matched / raw:.0%}) @ {setup.matching_seconds:.0f} s | "
+            + "; ".join(marks)
+            + " |",
+            flush=True,
+        )
+
+
+ABLATION = {
+    "dual (polar, all families)": {},
+    "one-sided": {"dual": False},
+    "without QK": {"families": tuple(f for f in FAMILIES if f != "qk")},
+    "without OV": {"families": tuple(f for f in FAMILIES if f != "ov")},
+    "without scale": {"families": tuple(f for f in FAMILIES if f != "scale")},
+    "without residual": {"families": tuple(f for f in FAMILIES if f != "residual")},
+    "unconstrained": {"parametrization": "unconstrained"},
+    "matrix exponential": {"parametrization": "matrix_exp"},
+    "Cayley only": {"parametrization": "cayley"},
+    "λ band U(0.4, 0.6)": {"sampler": "band"},
+    "λ fixed 0.5": {"sampler": "half"},
+}
+
+
+def cmd_ablation(args) -> None:
+    for arch in args.arch:
+        setup = Setup(args, arch, (0, 1))
+        raw, matched = setup.barrier(setup.raw), setup.barrier(setup.endpoints)
+        print(f"\n{arch} d={args.hidden}, {args.steps} steps each\n")
+        print("| variant | barrier | removed | seconds |\n|---|---|---|---|")
+        print(f"| raw | {raw:.3f} | 0% | |")
+        print(
+            f"| weight matching | {matched:.3f} | {1 - matched / raw:.0%} | "
+            f"{setup.matching_seconds:.1f} |",
+            flush=True,
+        )
+        base = LearningConfig(steps=args.steps, lr=args.lr, checkpoint_every=args.steps)
+        for name, change in ABLATION.items():
+            ends, result = setup.learn(replace(base, **change))
+            barrier = setup.barrier(ends)
+            print(
+                f"| {name} | {barrier:.3f} | {1 - barrier / raw:.0%} | {result.seconds:.0f} |",
+                flush=True,
+            )
+
+
+def cmd_step(args) -> None:
+    print(
+        "| pair | training step | alignment step | ratio | training peak RSS | "
+        "alignment peak RSS |\n|---|---|---|---|---|---|"
+    )
+    for arch in args.arch:
+        times = {}
+        for mode in ("train", "align"):
+            out = (
+                subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "step-worker",
+                        "--mode",
+                        mode,
+                        "--arch",
+                        arch,
+                        "--zoo",
+                        str(args.zoo),
+                        "--hidden",
+                        str(args.hidden),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
+            times[mode] = json.loads(out)
+        t, a = times["train"], times["align"]
+        print(
+            f"| {arch} d={args.hidden} | {t['seconds'] * 1e3:.0f} ms | "
+            f"{a['seconds'] * 1e3:.0f} ms | {a['seconds'] / t['seconds']:.2f} | "
+            f"{t['peak_mib']:.0f} MiB | {a['peak_mib']:.0f} MiB |",
+            flush=True,
+        )
+
+
+def cmd_step_worker(args) -> None:
+    """One process, one kind of step: median seconds and the process's peak RSS."""
+    from lmc_mergekit.evaluation.selfcheck import load_fp32
+    from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
+
+    folders = build_zoo(args.zoo, args.arch, args.hidden, args.layers, (0, 1), args.zoo_steps)
+    batch = torch.randint(0, 4096, (16, 128), generator=torch.Generator().manual_seed(0))
+    if args.mode == "train":
+        model = load_fp32(folders[0]).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            optimizer.zero_grad()
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+    else:
+        views = [open_model(f) for f in folders]
+        absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
+        ends = [materialize(apply_transform(v, absorb)) for v in views]
+        model = FunctionalModel(folders[0], views[0].adapter, ends[0].spec, torch.device("cpu"))
+        objective = InterpolationObjective(
+            ends, [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)], model
+        )
+        optimizer = torch.optim.AdamW(objective.symmetries.parameters(), lr=1e-4)
+        weights = torch.tensor([0.5, 0.5])
+
+        def step():
+            optimizer.zero_grad()
+            objective(weights, batch).backward()
+            optimizer.step()
+
+    for _ in range(3):
+        step()
+    samples = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": sorted(samples)[len(samples) // 2], "peak_mib": peak}))
+
+
+def cmd_three(args) -> None:
+    setup = Setup(args, args.arch[0], (0, 1, 2))
+    config = LearningConfig(steps=args.steps, lr=args.lr, checkpoint_every=args.steps)
+    pairs = list(itertools.combinations(range(3), 2))
+    rows = {"raw": setup.raw, "weight matching": setup.endpoints}
+    rows["three at once"], _ = setup.learn(config)
+    # Pairwise: each other model learned against the first, two endpoints at a time.
+    pairwise = [None, None, None]
+    for other in (1, 2):
+        ends, _ = setup.learn(config, [setup.endpoints[0], setup.endpoints[other]])
+        pairwise[0] = pairwise[0] or ends[0]
+        pairwise[other] = ends[1]
+    rows["pairwise (each with the first)"] = pairwise
+    header = " | ".join(f"barrier {a + 1}–{b + 1}" for a, b in pairs)
+    print(f"\n{args.arch[0]} d={args.hidden}, seeds 0, 1, 2, {args.steps} steps\n")
+    print(f"| alignment | {header} | three-way average loss |\n|---|---|---|---|---|")
+    for name, ends in rows.items():
+        cells = " | ".join(f"{setup.barrier(ends, pair):.3f}" for pair in pairs)
+        print(f"| {name} | {cells} | {setup.centre_loss(ends):.3f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["time", "ablation", "step", "three", "step-worker"])
+    parser.add_argument("--zoo", type=Path, default=default_cache_dir() / "zoo")
+    parser.add_argument("--arch", nargs="+", default=["gpt_neox", "llama"])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--zoo-steps", type=int, default=None, help="zoo training steps")
+    parser.add_argument("--steps", type=int, default=None, help="learned-matching steps")
+    parser.add_argument("--lr", type=float, default=LearningConfig(steps=1).lr)
+    parser.add_argument("--eval", type=int, default=256, help="test sequences per barrier")
+    parser.add_argument("--mode", choices=["train", "align"], default="align")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    args.zoo_steps = args.zoo_steps or (1500 if args.hidden >= 128 else 600)
+    args.steps = args.steps or {"time": 1400, "ablation": 200, "three": 300}.get(args.command, 0)
+    {
+        "time": cmd_time,
+        "ablation": cmd_ablation,
+        "step": cmd_step,
+        "three": cmd_three,
+        "step-worker": cmd_step_worker,
+    }[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Learned matching: train every endpoint's continuous symmetries so that their mixes are good.
+
+Each step draws mixing weights ``λ`` (a flat Dirichlet over the N endpoints: ``U(0,1)`` for two)
+and a batch of calibration sequences, and takes one AdamW step on the loss of the mix
+(:class:`~lmc_mergekit.matching.interpolation.InterpolationObjective`). The learning rate warms up
+linearly and decays on a cosine.
+
+Long runs are safe to interrupt: every ``checkpoint_every`` steps the parameters, the optimiser
+state and the step are written atomically to ``state_dir``; a rerun resumes from there. The
+batch and ``λ`` of step ``k`` come from a generator seeded by ``(seed, k)``, so a resumed run
+draws what an uninterrupted one would and ends with the same result. A non-finite or exploding
+loss rolls back to the last checkpoint with half the learning rate; after ``max_rollbacks`` the
+run stops with an error.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from lmc_mergekit.distributed import Processes
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.matching.interpolation import InterpolationObjective
+from lmc_mergekit.models.functional import FunctionalModel
+from lmc_mergekit.models.view import InMemoryView
+from lmc_mergekit.symmetry.parametrize import FAMILIES, LearnedSymmetry, Parametrization
+from lmc_mergekit.symmetry.transform import Transform
+
+Sampler = Literal["uniform", "band", "half"]
+CHECKPOINT_FILE = "learned_matching.pt"
+# ``band`` keeps λ within this distance of the centre (for two models: U(0.4, 0.6)).
+BAND = 0.2
+# A step whose loss exceeds this multiple of the first step's counts as exploding.
+EXPLODE_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class LearningConfig:
+    """What learned matching does; see the ``alignment:`` recipe keys for each field."""
+
+    steps: int
+    lr: float = 0.01
+    warmup: float = 0.1
+    batch_size: int = 16
+    weight_decay: float = 0.0
+    sampler: Sampler = "uniform"
+    dual: bool = True
+    families: tuple[str, ...] = FAMILIES
+    parametrization: Parametrization = "polar"
+    checkpoint_every: int = 50
+    seed: int = 0
+    max_rollbacks: int = 3
+
+
+@dataclass
+class LearningResult:
+    """The learned symmetries (float64, to compose after weight matching) and how it went."""
+
+    transforms: list[Transform]
+    losses: list[float]
+    seconds: float
+    rollbacks: list[dict] = field(default_factory=list)
+    resumed_from: int | None = None
+
+    def summary(self) -> dict:
+        """JSON-ready facts for the report."""
+        window = max(1, len(self.losses) // 10)
+        return {
+            "steps": len(self.losses),
+            "seconds": round(self.seconds, 3),
+            "first_loss": _mean(self.losses[:window]),
+            "last_loss": _mean(self.losses[-window:]),
+            "rollbacks": self.rollbacks,
+            "resumed_from_step": self.resumed_from,
+        }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def mixing_weights(count: int, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
+    """``λ`` over ``count`` endpoints: flat Dirichlet (``uniform``), the same shrunk towards the
+    centre (``band``), or the centre itself (``half``)."""
+    centre = torch.full((count,), 1.0 / count)
+    if sampler == "half":
+        return centre
+    # Normalised exponentials are a flat Dirichlet draw.
+    draw = -torch.rand(count, generator=generator).log()
+    draw = draw / draw.sum()
+    return draw if sampler == "uniform" else centre + BAND * (draw - centre)
+
+
+def learning_rate(step: int, config: LearningConfig) -> float:
+    """Linear warm-up over ``warmup`` of the steps, then cosine decay to zero."""
+    warmup = max(1, round(config.warmup * config.steps))
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, config.steps - warmup)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def learn_symmetries(
+    endpoints: list[InMemoryView],
+    model: FunctionalModel,
+    sequences: torch.Tensor,
+    config: LearningConfig,
+    *,
+    state_dir: Path | None = None,
+    processes: Processes | None = None,
+    progress: bool = True,
+    on_checkpoint: Callable[[int, list[Transform]], None] | None = None,
+) -> LearningResult:
+    """Learn each endpoint's continuous symmetries (the first one's too, unless one-sided) on
+    ``sequences`` (``(n, L)`` token ids). Returns them as transforms to apply after the ones that
+    produced ``endpoints``. ``on_checkpoint(step, transforms)`` is called at every checkpoint
+    (benchmarks use it to follow the barrier during a run)."""
+    processes = processes or Processes()
+    if config.batch_size % processes.world_size:
+        raise LmcError(
+            f"alignment batch_size {config.batch_size} does not split evenly over "
+            f"{processes.world_size} processes; use a multiple of {processes.world_size}"
+        )
+    spec = endpoints[0].spec
+    learned = [
+        None
+        if (index == 0 and not config.dual)
+        else LearnedSymmetry(
+            spec,
+            # The first endpoint's scale is redundant with the others': only ratios matter.
+            tuple(f for f in config.families if index > 0 or f != "scale"),
+            config.parametrization,
+        )
+        for index in range(len(endpoints))
+    ]
+    objective = InterpolationObjective(endpoints, learned, model)
+    device = next(model.module.buffers()).device
+    objective.symmetries.to(device)
+    params = [p for p in objective.symmetries.parameters()]
+    if not params:
+        raise LmcError("alignment learns nothing: every symmetry family is switched off")
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    state = _State(objective, optimizer)
+    checkpoint = None if state_dir is None else state_dir / CHECKPOINT_FILE
+    resumed_from = state.load(checkpoint, config) if checkpoint else None
+    saved = state.snapshot()
+    start = time.perf_counter()
+    autocast = device.type == "cuda"
+    bar = tqdm(
+        total=config.steps,
+        initial=state.step,
+        desc="learned matching",
+        disable=not (progress and processes.is_main),
+    )
+    while state.step < config.steps:
+        step = state.step
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        batch = sequences[torch.randint(len(sequences), (config.batch_size,), generator=generator)]
+        weights = mixing_weights(len(endpoints), config.sampler, generator).to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config) * state.lr_scale
+        optimizer.zero_grad(set_to_none=False)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = objective(weights, processes.shard(batch).to(device))
+        loss.backward()
+        reduced = loss.detach().clone()
+        processes.mean([reduced] + [p.grad for p in params if p.grad is not None])
+        value = float(reduced)
+        if state.diverged(value):
+            state.roll_back(saved, step, value, config)
+            bar.n = state.step
+            bar.refresh()
+            continue
+        optimizer.step()
+        state.step += 1
+        state.losses.append(value)
+        bar.update()
+        bar.set_postfix(loss=f"{value:.4f}", lr=f"{group['lr']:.2e}")
+        if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+            saved = state.snapshot()
+            if checkpoint is not None and processes.is_main:
+                state.save(checkpoint, saved, config)
+            if on_checkpoint is not None:
+                on_checkpoint(state.step, _transforms(learned, spec.num_layers))
+    bar.close()
+    processes.barrier()
+    return LearningResult(
+        transforms=_transforms(learned, spec.num_layers),
+        losses=state.losses,
+        seconds=time.perf_counter() - start,
+        rollbacks=state.rollbacks,
+        resumed_from=resumed_from,
+    )
+
+
+def _transforms(learned: list[LearnedSymmetry | None], num_layers: int) -> list[Transform]:
+    """The current symmetries (an endpoint held fixed gets the identity)."""
+    return [
+        Transform(num_layers, absorb_norms=True) if s is None else s.frozen_transform()
+        for s in learned
+    ]
+
+
+class _State:
+    """What a checkpoint holds, and rolling back to one."""
+
+    def __init__(self, objective: InterpolationObjective, optimizer: torch.optim.Optimizer):
+        self.objective, self.optimizer = objective, optimizer
+        self.step = 0
+        self.lr_scale = 1.0
+        self.losses: list[float] = []
+        self.rollbacks: list[dict] = []
+
+    def snapshot(self) -> dict:
+        return {
+            "step": self.step,
+            "lr_scale": self.lr_scale,
+            "losses": list(self.losses),
+            "rollbacks": list(self.rollbacks),
+            "symmetries": {k: v.clone() for k, v in self.objective.symmetries.state_dict().items()},
+            "optimizer": _clone(self.optimizer.state_dict()),
+        }
+
+    def restore(self, snapshot: dict) -> None:
+        self.step = snapshot["step"]
+        self.lr_scale = snapshot["lr_scale"]
+        self.losses = list(snapshot["losses"])
+        self.rollbacks = list(snapshot["rollbacks"])
+        self.objective.symmetries.load_state_dict(snapshot["symmetries"])
+        self.optimizer.load_state_dict(_clone(snapshot["optimizer"]))
+
+    def diverged(self, loss: float) -> bool:
+        if not math.isfinite(loss):
+            return True
+        return bool(self.losses) and loss > EXPLODE_FACTOR * self.losses[0]
+
+    def roll_back(self, saved: dict, step: int, loss: float, config: LearningConfig) -> None:
+        """Back to ``saved`` with half the learning rate (an error after too many tries)."""
+        rollbacks = [*self.rollbacks, {"step": step, "loss": loss, "back_to": saved["step"]}]
+        if len(rollbacks) > config.max_rollbacks:
+            raise LmcError(
+                f"learned matching diverged {len(rollbacks)} times (loss {loss:.3g} at step "
+                f"{step}) even after lowering the learning rate to {self.lr_scale * config.lr:.2e}"
+                "; set a smaller alignment lr"
+            )
+        scale = self.lr_scale * 0.5
+        self.restore(saved)
+        self.rollbacks, self.lr_scale = rollbacks, scale
+
+    def save(self, path: Path, snapshot: dict, config: LearningConfig) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save({"config": asdict(config), **snapshot}, partial)
+        os.replace(partial, path)  # a kill mid-write leaves the previous checkpoint intact
+
+    def load(self, path: Path, config: LearningConfig) -> int | None:
+        if not path.is_file():
+            return None
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if saved.get("config") != asdict(config):
+            return None  # settings changed: start over
+        self.restore(saved)
+        return self.step
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value

@@ -1,0 +1,171 @@
+"""Continuous symmetries as trainable parameters (reference notes §2, "Parametrisations").
+
+:class:`LearnedSymmetry` holds the parameters of one endpoint's continuous symmetries and builds
+the :class:`Transform` they stand for, differentiably: a residual rotation ``Cayley(S)`` (in the
+group fixing the all-ones vector for LayerNorm models), a global residual scale ``exp(s)``, and per
+key/value head QK and OV maps. QK maps commute with RoPE: on each rotary pair a scaled rotation
+``exp(σ)·R(φ)``, a full map on the non-rotary dims. Every parameter starts at zero, which is the
+identity, so learning starts exactly at the weight-matching result it refines.
+
+How the maps are parametrised is a setting (the paper's ablation):
+
+========================  ==========================  ======================================
+``parametrization``        residual rotation           QK / OV maps (non-rotary blocks)
+========================  ==========================  ======================================
+``polar`` (default)        ``Cayley(S)``               ``Cayley(S)·L·Lᵀ``, L lower triangular
+                                                       with a positive diagonal
+``cayley``                 ``Cayley(S)``               ``Cayley(S)`` (orthogonal maps; rotary
+                                                       pairs turn without scaling)
+``matrix_exp``             ``exp(S)``                  ``exp(A)``, A any matrix
+``unconstrained``          ``Cayley(S)``               ``I + A``, A any matrix
+========================  ==========================  ======================================
+
+The residual map stays orthogonal in every variant: a non-orthogonal map of the residual stream
+does not commute with the norms, so it would not be a symmetry.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lmc_mergekit.models.view import ModelSpec
+from lmc_mergekit.symmetry.rope import rope_map_from_pairs
+from lmc_mergekit.symmetry.sampling import ones_complement_basis
+from lmc_mergekit.symmetry.transform import LayerTransform, Transform
+
+Parametrization = Literal["polar", "cayley", "matrix_exp", "unconstrained"]
+Family = Literal["residual", "scale", "qk", "ov"]
+PARAMETRIZATIONS: tuple[str, ...] = ("polar", "cayley", "matrix_exp", "unconstrained")
+FAMILIES: tuple[str, ...] = ("residual", "scale", "qk", "ov")
+
+
+def skew(a: torch.Tensor) -> torch.Tensor:
+    """The skew-symmetric matrix whose strict upper triangle is that of ``a``."""
+    upper = a.triu(1)
+    return upper - upper.mT
+
+
+def cayley(a: torch.Tensor) -> torch.Tensor:
+    """``(I - S)⁻¹(I + S)`` for ``S = skew(a)``: orthogonal, and the identity at ``a = 0``."""
+    s = skew(a)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(s)
+    return torch.linalg.solve(eye - s, eye + s)
+
+
+def orthogonal(a: torch.Tensor, kind: Parametrization) -> torch.Tensor:
+    """An orthogonal matrix from free parameters: matrix exponential or Cayley map of skew(a)."""
+    return torch.linalg.matrix_exp(skew(a)) if kind == "matrix_exp" else cayley(a)
+
+
+def positive_definite(a: torch.Tensor) -> torch.Tensor:
+    """``L·Lᵀ``: ``L`` is the lower triangle of ``a``, its diagonal exponentiated."""
+    lower = a.tril(-1) + torch.diag_embed(a.diagonal(dim1=-2, dim2=-1).exp())
+    return lower @ lower.mT
+
+
+def invertible(rot: torch.Tensor, tri: torch.Tensor, kind: Parametrization) -> torch.Tensor:
+    """A square map (batched) from two parameter blocks, as the table in the module docstring."""
+    if kind == "polar":
+        return cayley(rot) @ positive_definite(tri)
+    if kind == "cayley":
+        return cayley(rot)
+    if kind == "matrix_exp":
+        return torch.linalg.matrix_exp(rot)
+    return torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device) + rot
+
+
+class LearnedSymmetry(nn.Module):
+    """The continuous symmetries of one endpoint, as trainable parameters (zero = identity)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        families: tuple[str, ...] = FAMILIES,
+        parametrization: Parametrization = "polar",
+    ):
+        super().__init__()
+        self.spec = spec
+        self.kind = parametrization
+        self.families = tuple(f for f in FAMILIES if f in families)
+        d, layers, kv, dh = spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.head_dim
+        half, free = spec.rotary_dims // 2, spec.head_dim - spec.rotary_dims
+        fix_ones = spec.norm == "layernorm"
+        if "residual" in self.families:
+            size = d - 1 if fix_ones else d
+            self.residual = nn.Parameter(torch.zeros(size, size))
+            if fix_ones:
+                # Kept in float64 (module casts leave it alone): written transforms need it exact.
+                self.register_buffer("ones_basis", ones_complement_basis(d), persistent=False)
+        if "scale" in self.families:
+            self.log_scale = nn.Parameter(torch.zeros(()))
+        if "qk" in self.families and half:
+            self.qk_pair_log_scale = nn.Parameter(torch.zeros(layers, kv, half))
+            self.qk_pair_angle = nn.Parameter(torch.zeros(layers, kv, half))
+        if "qk" in self.families and free:
+            self.qk_rot = nn.Parameter(torch.zeros(layers, kv, free, free))
+            self.qk_tri = nn.Parameter(torch.zeros(layers, kv, free, free))
+        if "ov" in self.families:
+            self.ov_rot = nn.Parameter(torch.zeros(layers, kv, dh, dh))
+            self.ov_tri = nn.Parameter(torch.zeros(layers, kv, dh, dh))
+
+    def rotation(self) -> torch.Tensor | None:
+        """The residual rotation (None when that family is not learned)."""
+        if "residual" not in self.families:
+            return None
+        inner = orthogonal(self.residual, self.kind)
+        if not hasattr(self, "ones_basis"):
+            return inner
+        d = self.spec.hidden_size
+        u = self.ones_basis.to(inner.dtype)
+        return torch.full((d, d), 1.0 / d, dtype=u.dtype, device=u.device) + u @ inner @ u.T
+
+    def qk_maps(self) -> torch.Tensor | None:
+        """QK maps ``(layers, kv heads, dh, dh)`` commuting with RoPE."""
+        if "qk" not in self.families:
+            return None
+        free = None
+        if self.spec.head_dim > self.spec.rotary_dims:
+            free = invertible(self.qk_rot, self.qk_tri, self.kind)
+        if not self.spec.rotary_dims:
+            return free
+        log_scale = self.qk_pair_log_scale
+        if self.kind == "cayley":
+            scales = torch.ones_like(log_scale)
+        elif self.kind == "unconstrained":
+            scales = 1 + log_scale
+        else:
+            scales = log_scale.exp()
+        return rope_map_from_pairs(scales, self.qk_pair_angle, free)
+
+    def ov_maps(self) -> torch.Tensor | None:
+        """OV maps ``(layers, kv heads, dh, dh)``."""
+        if "ov" not in self.families:
+            return None
+        return invertible(self.ov_rot, self.ov_tri, self.kind)
+
+    def transform(self) -> Transform:
+        """The symmetry these parameters stand for (differentiable in them)."""
+        qk, ov = self.qk_maps(), self.ov_maps()
+        layers = tuple(
+            LayerTransform(qk=None if qk is None else qk[i], ov=None if ov is None else ov[i])
+            for i in range(self.spec.num_layers)
+        )
+        return Transform(
+            num_layers=self.spec.num_layers,
+            absorb_norms=True,
+            rotation=self.rotation(),
+            scale=self.log_scale.exp() if "scale" in self.families else 1.0,
+            layers=layers,
+        )
+
+    def frozen_transform(self) -> Transform:
+        """The current symmetry computed in float64 on the CPU, detached: what gets written."""
+        twin = copy.deepcopy(self).double().cpu()
+        with torch.no_grad():
+            learned = twin.transform()
+        return replace(learned, scale=float(learned.scale))
