@@ -131,8 +131,8 @@ def cmd_time(args) -> None:
             tick = time.perf_counter()
             ends = [moved(e, t) for e, t in zip(setup.endpoints, transforms, strict=True)]
             barrier = setup.barrier(ends)
-            clock["eval"] += time.perf_counter() - tick
             seconds = tick - clock["start"] - clock["eval"] + setup.matching_seconds
+            clock["eval"] += time.perf_counter() - tick
             marks.append(f"{barrier:.3f} ({1 - barrier / raw:.0%}) @ {seconds:.0f} s")
             print(f"  {arch} step {step}: barrier {barrier:.3f} after {seconds:.0f} s", flush=True)
 
@@ -229,7 +229,7 @@ def cmd_step_worker(args) -> None:
     from lmc_mergekit.evaluation.selfcheck import load_fp32
     from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 
-    folders = build_zoo(args.zoo, args.arch, args.hidden, args.layers, (0, 1), args.zoo_steps)
+    folders = build_zoo(args.zoo, args.arch[0], args.hidden, args.layers, (0, 1), args.zoo_steps)
     batch = torch.randint(0, 4096, (16, 128), generator=torch.Generator().manual_seed(0))
     if args.mode == "train":
         model = load_fp32(folders[0]).train()

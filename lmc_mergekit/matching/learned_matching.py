@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ CHECKPOINT_FILE = "learned_matching.pt"
 BAND = 0.2
 # A step whose loss exceeds this multiple of the first step's counts as exploding.
 EXPLODE_FACTOR = 2.0
+KEPT_SNAPSHOTS = 3
 
 
 @dataclass(frozen=True)
@@ -147,11 +149,15 @@ def learn_symmetries(
     params = [p for p in objective.symmetries.parameters()]
     if not params:
         raise LmcError("alignment learns nothing: every symmetry family is switched off")
+    for param in params:  # every process reduces the same gradient list, even after a failure
+        param.grad = torch.zeros_like(param)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     state = _State(objective, optimizer)
     checkpoint = None if state_dir is None else state_dir / CHECKPOINT_FILE
     resumed_from = state.load(checkpoint, config) if checkpoint else None
-    saved = state.snapshot()
+    # The last few checkpoints: one taken just before a blow-up may already hold bad values, so
+    # a rollback that fails again goes one further back.
+    saved = deque([state.snapshot()], maxlen=KEPT_SNAPSHOTS)
     start = time.perf_counter()
     autocast = device.type == "cuda"
     bar = tqdm(
@@ -168,14 +174,20 @@ def learn_symmetries(
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config) * state.lr_scale
         optimizer.zero_grad(set_to_none=False)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = objective(weights, processes.shard(batch).to(device))
-        loss.backward()
-        reduced = loss.detach().clone()
-        processes.mean([reduced] + [p.grad for p in params if p.grad is not None])
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = objective(weights, processes.shard(batch).to(device))
+            loss.backward()
+            reduced = loss.detach().clone()
+        except torch.linalg.LinAlgError:  # a map went singular: diverged like a NaN loss
+            reduced = torch.tensor(math.nan, device=device)
+        processes.mean([reduced] + [p.grad for p in params])
         value = float(reduced)
         if state.diverged(value):
-            state.roll_back(saved, step, value, config)
+            if state.rollbacks and state.rollbacks[-1]["back_to"] == saved[-1]["step"]:
+                if len(saved) > 1:
+                    saved.pop()
+            state.roll_back(saved[-1], step, value, config)
             bar.n = state.step
             bar.refresh()
             continue
@@ -185,9 +197,9 @@ def learn_symmetries(
         bar.update()
         bar.set_postfix(loss=f"{value:.4f}", lr=f"{group['lr']:.2e}")
         if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-            saved = state.snapshot()
+            saved.append(state.snapshot())
             if checkpoint is not None and processes.is_main:
-                state.save(checkpoint, saved, config)
+                state.save(checkpoint, saved[-1], config)
             if on_checkpoint is not None:
                 on_checkpoint(state.step, _transforms(learned, spec.num_layers))
     bar.close()

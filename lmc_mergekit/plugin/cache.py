@@ -34,7 +34,8 @@ def cache_key(method: str, settings: BaseModel, inputs: list[Path]) -> str:
 
     payload = {
         "method": method,
-        "settings": settings.model_dump(mode="json"),
+        # Settings that only steer the merge after the pass do not make new prepared inputs.
+        "settings": settings.model_dump(mode="json", exclude=set(settings.merge_only)),
         "version": __version__,
         "inputs": [fingerprint(path) for path in inputs],
     }

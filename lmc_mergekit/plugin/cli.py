@@ -13,6 +13,7 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
 from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.plugin.demo import DEMO_ALIGN_STEPS
 
 
 def one_line_errors(fn):
@@ -403,6 +404,13 @@ def barrier_command(
 @click.option("--layers", type=int, default=4, show_default=True, help="Depth of the zoo models")
 @click.option("--steps", type=int, default=600, show_default=True, help="Training steps per model")
 @click.option(
+    "--align-steps",
+    type=click.IntRange(min=0),
+    default=DEMO_ALIGN_STEPS,
+    show_default=True,
+    help="Learned-matching steps (0: weight matching only)",
+)
+@click.option(
     "--zoo",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -417,12 +425,14 @@ def demo_command(
     hidden: int,
     layers: int,
     steps: int,
+    align_steps: int,
     zoo: Path | None,
     lmc_cache: Path | None,
     overwrite: bool,
 ) -> None:
-    """Train (or reuse) two small models of different seeds, merge them with lmc_dm into
-    OUT/merged [default OUT: ./lmc-demo], and show the loss barrier before and after alignment."""
+    """Train (or reuse) two small models of different seeds, merge them with lmc_dm (weight
+    matching, then learned matching) into OUT/merged [default OUT: ./lmc-demo], and show the
+    loss barrier before and after each alignment stage."""
     from lmc_mergekit.plugin.demo import run_demo
 
     cache = lmc_cache or default_cache_dir()
@@ -434,6 +444,7 @@ def demo_command(
         hidden=hidden,
         layers=layers,
         steps=steps,
+        align_steps=align_steps,
         overwrite=overwrite,
     )
     click.echo("\n" + result.summary())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 from mergekit.config import MergeConfiguration
@@ -21,10 +21,14 @@ class Section(BaseModel):
     """A plugin section: unknown keys are errors (mergekit silently ignores them)."""
 
     model_config = ConfigDict(extra="forbid")
+    #: Keys that only steer mergekit's merge after the pre-merge pass (not its cache key).
+    merge_only: ClassVar[tuple[str, ...]] = ()
 
 
 class AlignmentSettings(Section):
     """``alignment:`` for ``lmc_dm``."""
+
+    merge_only: ClassVar[tuple[str, ...]] = ("combine",)
 
     matching: Literal["none", "weights"] = Field(
         "weights",

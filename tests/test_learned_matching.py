@@ -1,0 +1,386 @@
+"""Learned matching: parametrised symmetries, the functional objective, the training loop, and
+``lmc_dm`` with ``steps > 0`` end to end (resume, two processes, three models, combine)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from tiny_models import VARIANTS, build_model, logits, probe_ids
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.matching.interpolation import InterpolationObjective
+from lmc_mergekit.matching.learned_matching import (
+    CHECKPOINT_FILE,
+    LearningConfig,
+    learn_symmetries,
+    mixing_weights,
+)
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.functional import FunctionalModel
+from lmc_mergekit.models.view import materialize
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
+from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.symmetry.parametrize import FAMILIES, PARAMETRIZATIONS, LearnedSymmetry
+from lmc_mergekit.symmetry.rope import rope_commutation_error
+
+ATOL = 5e-5
+EVAL = {"seq_len": 64, "eval_sequences": 64, "points": 5}
+CPU = torch.device("cpu")
+
+
+def randomized(spec, parametrization="polar", families=FAMILIES, seed=0) -> LearnedSymmetry:
+    """A learned symmetry with every parameter moved away from the identity."""
+    symmetry = LearnedSymmetry(spec, families, parametrization)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in symmetry.parameters():
+            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    return symmetry
+
+
+@pytest.mark.parametrize(
+    ("variant", "parametrization"),
+    [(variant, "polar") for variant in sorted(VARIANTS)]
+    + [
+        (v, p)
+        for v in ("gpt_neox_partial_rotary_parallel", "qwen2_gqa_bias_tied")
+        for p in PARAMETRIZATIONS
+        if p != "polar"
+    ],
+)
+def test_learned_symmetries_keep_the_function(model_dirs, tmp_path, variant, parametrization):
+    src = model_dirs[variant]
+    view = open_model(src)
+    transform = randomized(view.spec, parametrization).frozen_transform()
+    transform.check_fits(view.spec)  # orthogonal, ones-fixing for LayerNorm, RoPE-commuting
+    assert transform.rotation is not None and transform.scale != 1.0
+    if view.spec.rotary_dims:
+        assert rope_commutation_error(transform.layers[0].qk, view.spec.rotary_dims) < 1e-12
+    view.adapter.save(apply_transform(view, transform), tmp_path / "out", src, progress=False)
+    ids = probe_ids()
+    torch.testing.assert_close(logits(tmp_path / "out", ids), logits(src, ids), atol=ATOL, rtol=0)
+
+
+def test_zero_parameters_are_the_identity(model_dirs):
+    spec = open_model(model_dirs["gpt_neox_partial_rotary_parallel"]).spec
+    for parametrization in PARAMETRIZATIONS:
+        transform = LearnedSymmetry(spec, parametrization=parametrization).frozen_transform()
+        torch.testing.assert_close(transform.rotation, torch.eye(spec.hidden_size).double())
+        eye = torch.eye(spec.head_dim).double().expand(spec.num_kv_heads, -1, -1)
+        torch.testing.assert_close(transform.layers[1].qk, eye)
+        torch.testing.assert_close(transform.layers[1].ov, eye)
+
+
+@pytest.mark.parametrize(
+    "variant", ["gpt_neox_partial_rotary_parallel", "qwen2_gqa_bias_tied", "gpt2_tied"]
+)
+def test_objective_is_the_loss_of_the_mixed_checkpoint(tmp_path, variant):
+    """The functional forward on mixed, moved weights equals transformers on the saved mix."""
+    a = build_model(variant, tmp_path / "a", seed=1)
+    b = build_model(variant, tmp_path / "b", seed=2)
+    views = [open_model(a), open_model(b)]
+    absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
+    ends = [materialize(apply_transform(v, absorb)) for v in views]
+    symmetries = [randomized(ends[0].spec, seed=s) for s in (3, 4)]
+    model = FunctionalModel(a, views[0].adapter, ends[0].spec, CPU)
+    weights = torch.tensor([0.3, 0.7])
+    ids = probe_ids(shape=(3, 16))
+    with torch.no_grad():
+        loss = InterpolationObjective(ends, symmetries, model)(weights, ids)
+    # The same mix, written as checkpoints and averaged through transformers' own state dicts.
+    from transformers import AutoModelForCausalLM
+
+    folders = []
+    for index, (view, symmetry) in enumerate(zip(views, symmetries, strict=True)):
+        moved = apply_transform(view, symmetry.frozen_transform())
+        view.adapter.save(moved, tmp_path / f"m{index}", view.folder, progress=False)
+        folders.append(tmp_path / f"m{index}")
+    models = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32) for f in folders]
+    state = models[1].state_dict()
+    mixed = {k: 0.3 * v + 0.7 * state[k] for k, v in models[0].state_dict().items()}
+    models[0].load_state_dict(mixed)
+    with torch.no_grad():
+        expected = models[0].eval()(input_ids=ids, labels=ids).loss
+    assert float(loss) == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_mixing_weights_samplers():
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([mixing_weights(3, "uniform", generator) for _ in range(2000)])
+    assert torch.allclose(draws.sum(1), torch.ones(2000))
+    assert (draws > 0).all() and abs(float(draws.mean()) - 1 / 3) < 0.02
+    band = torch.stack([mixing_weights(2, "band", generator) for _ in range(500)])
+    assert band.min() >= 0.4 - 1e-6 and band.max() <= 0.6 + 1e-6 and band.std() > 0.03
+    assert torch.equal(mixing_weights(2, "half", generator), torch.tensor([0.5, 0.5]))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """Two tiny GPT-NeoX endpoints (norms absorbed), their functional model and token data."""
+    root = tmp_path_factory.mktemp("pair")
+    a = build_model("gpt_neox_partial_rotary_parallel", root / "a", seed=1)
+    b = build_model("gpt_neox_partial_rotary_parallel", root / "b", seed=2)
+    views = [open_model(a), open_model(b)]
+    absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
+    ends = [materialize(apply_transform(v, absorb)) for v in views]
+    model = FunctionalModel(a, views[0].adapter, ends[0].spec, CPU)
+    data = probe_ids(shape=(32, 16))
+    return ends, model, data
+
+
+ABLATIONS = [
+    {"dual": False},
+    *({"parametrization": p} for p in PARAMETRIZATIONS),
+    *({"families": tuple(f for f in FAMILIES if f != off)} for off in FAMILIES),
+    {"sampler": "band"},
+    {"sampler": "half"},
+]
+
+
+@pytest.mark.parametrize("change", ABLATIONS, ids=lambda c: "-".join(map(str, c.values())))
+def test_every_ablation_setting_learns_what_it_says(tiny_pair, change):
+    ends, model, data = tiny_pair
+    config = replace(LearningConfig(steps=4, lr=0.05, batch_size=4), **change)
+    result = learn_symmetries(ends, model, data, config, progress=False)
+    assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
+    first, second = result.transforms
+    spec = ends[0].spec
+    for transform in result.transforms:
+        transform.check_fits(spec)
+    families = config.families
+    assert (second.rotation is not None) == ("residual" in families)
+    assert (second.scale != 1.0) == ("scale" in families)
+    assert (second.layers[0].qk is not None) == ("qk" in families)
+    assert (second.layers[0].ov is not None) == ("ov" in families)
+    if "residual" in families:
+        assert not torch.allclose(second.rotation, torch.eye(spec.hidden_size).double())
+    # One-sided: the first endpoint stays where it is; dual: it moves too (never its scale).
+    assert (first.rotation is None) == (not config.dual or "residual" not in families)
+    assert first.scale == 1.0
+
+
+def test_a_diverging_run_rolls_back_with_a_lower_rate_and_recovers(tiny_pair, tmp_path):
+    ends, model, data = tiny_pair
+    # Far too high a rate: every try diverges until rollbacks have halved it enough.
+    config = LearningConfig(
+        steps=12, lr=1e4, batch_size=4, warmup=0.0, checkpoint_every=2, max_rollbacks=30
+    )
+    result = learn_symmetries(ends, model, data, config, state_dir=tmp_path, progress=False)
+    assert len(result.losses) == 12 and all(map(math.isfinite, result.losses))
+    assert len(result.rollbacks) >= 5
+    assert all(r["back_to"] <= r["step"] and not r["loss"] < 2 for r in result.rollbacks)
+    saved = torch.load(tmp_path / CHECKPOINT_FILE, weights_only=False)
+    assert saved["step"] == 12 and saved["lr_scale"] <= 0.5 ** len(result.rollbacks)
+
+
+def test_a_run_that_keeps_diverging_stops_with_a_clear_error(tiny_pair):
+    ends, model, data = tiny_pair
+    config = LearningConfig(steps=12, lr=1e4, batch_size=4, warmup=0.0)
+    with pytest.raises(LmcError, match=r"diverged 4 times .* set a smaller alignment lr"):
+        learn_symmetries(ends, model, data, config, progress=False)
+
+
+def test_learning_lowers_the_interpolated_loss(tiny_pair):
+    ends, model, data = tiny_pair
+    config = LearningConfig(steps=40, lr=0.03, batch_size=8, sampler="half")
+    result = learn_symmetries(ends, model, data, config, progress=False)
+    moved = [
+        materialize(apply_transform(e, t)) for e, t in zip(ends, result.transforms, strict=True)
+    ]
+    half = torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        before = InterpolationObjective(ends, [None, None], model)(half, data)
+        after = InterpolationObjective(moved, [None, None], model)(half, data)
+    assert float(after) < float(before) - 0.05, (float(before), float(after))
+
+
+# ---- lmc_dm with learned matching, end to end on trained models -----------------------------
+
+
+def recipe_for(models: list[Path], **alignment) -> dict:
+    return {
+        "merge_method": "lmc_dm",
+        "models": [{"model": str(m), "parameters": {"weight": 1.0}} for m in models],
+        "dtype": "float32",
+        "alignment": {"batch_size": 8, "checkpoint_every": 10, **EVAL, **alignment},
+    }
+
+
+def write_recipe(tmp_path: Path, models: list[Path], **alignment) -> Path:
+    path = tmp_path / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe_for(models, **alignment)))
+    return path
+
+
+LEARNED = {"steps": 80, "lr": 0.02}
+
+
+def run_yaml(recipe: Path, out: Path, cache: Path):
+    return CliRunner().invoke(
+        mergekit_yaml_main, [str(recipe), str(out), "--quiet", "--lmc-cache", str(cache)]
+    )
+
+
+@pytest.fixture(scope="module")
+def learned(trained_pair, tmp_path_factory):
+    """An lmc_dm recipe with learned matching on the trained pair, run once for the module."""
+    tmp = tmp_path_factory.mktemp("learned")
+    recipe = write_recipe(tmp, list(trained_pair), **LEARNED)
+    result = run_yaml(recipe, tmp / "merged", tmp / "cache")
+    assert result.exit_code == 0, result.output
+    return tmp
+
+
+def test_learned_matching_lowers_the_barrier_below_weight_matching(learned):
+    report = json.loads((learned / "merged" / "lmc_report.json").read_text())
+    pair = report["pairs"][0]
+    raw, matched, after = (pair[k]["barrier"] for k in ("raw", "matched", "learned"))
+    assert after < matched < raw, (raw, matched, after)
+    # Every stage keeps each endpoint's function.
+    for kind in ("matched", "learned"):
+        assert pair[kind]["endpoint_losses"] == pytest.approx(
+            pair["raw"]["endpoint_losses"], abs=1e-4
+        )
+    assert report["learning"]["steps"] == 80 and not report["learning"]["rollbacks"]
+    assert report["learning"]["last_loss"] < report["learning"]["first_loss"]
+    card = (learned / "merged" / "README.md").read_text()
+    assert "learned matching" in card and f"{after:.3f}" in card
+    # The pass's resumable state is gone once the pass succeeded.
+    assert not list((learned / "cache" / "lmc_dm").glob(".*.state"))
+
+
+def lmc_command(recipe: Path, out: Path, cache: Path) -> list[str]:
+    script = Path(sys.executable).parent / "lmc-mergekit-yaml"
+    return [str(script), str(recipe), str(out), "--quiet", "--lmc-cache", str(cache)]
+
+
+def quiet_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_a_killed_run_resumes_and_ends_where_an_uninterrupted_one_does(trained_pair, tmp_path):
+    recipe = write_recipe(tmp_path, list(trained_pair), steps=150, evaluate=False)
+    # Both runs in processes with the same thread count, so that their arithmetic is identical.
+    whole = subprocess.run(
+        lmc_command(recipe, tmp_path / "whole", tmp_path / "cache-whole"),
+        env=quiet_env(),
+        capture_output=True,
+    )
+    assert whole.returncode == 0, whole.stderr.decode()[-2000:]
+    cache = tmp_path / "cache"
+    process = subprocess.Popen(lmc_command(recipe, tmp_path / "out", cache), env=quiet_env())
+    deadline = time.monotonic() + 300
+    step = 0
+    while step < 30 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for checkpoint in cache.glob(f"lmc_dm/.*.state/{CHECKPOINT_FILE}"):
+            try:
+                step = torch.load(checkpoint, weights_only=False)["step"]
+            except (RuntimeError, EOFError, FileNotFoundError):
+                pass  # replaced while being read
+    assert process.poll() is None, "the run ended before it could be interrupted"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "out").exists()
+    resumed = subprocess.run(
+        lmc_command(recipe, tmp_path / "out", cache), env=quiet_env(), capture_output=True
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    report = json.loads((tmp_path / "out" / "lmc_report.json").read_text())
+    assert report["learning"]["resumed_from_step"] >= 30
+    assert [m.get("reused") for m in report["matching"]] != [None]  # matching was not redone
+    merged, expected = (load_file(tmp_path / f / "model.safetensors") for f in ("out", "whole"))
+    for name, tensor in expected.items():
+        assert torch.equal(merged[name], tensor), name
+
+
+def test_two_processes_learn_what_one_process_learns(trained_pair, tmp_path):
+    recipe = write_recipe(tmp_path, list(trained_pair), steps=20, evaluate=False)
+    single = run_yaml(recipe, tmp_path / "one", tmp_path / "cache-one")
+    assert single.exit_code == 0, single.output
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", "29533", "--no-python"]
+    command += lmc_command(recipe, tmp_path / "two", tmp_path / "cache-two")
+    done = subprocess.run(command, env=quiet_env(), capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    for index in (0, 1):
+        one, two = (
+            load_file(next((tmp_path / c).glob(f"lmc_dm/*/model-{index}/model.safetensors")))
+            for c in ("cache-one", "cache-two")
+        )
+        for name, tensor in one.items():
+            torch.testing.assert_close(two[name], tensor, atol=2e-5, rtol=1e-4)
+    # Both ran the same 20 steps on the same global batches.
+    losses = [
+        json.loads((tmp_path / f / "lmc_report.json").read_text())["learning"]["losses"]
+        for f in ("one", "two")
+    ]
+    assert len(losses[0]) == 20 and losses[1] == pytest.approx(losses[0], abs=1e-5)
+    merged = [load_file(tmp_path / f / "model.safetensors") for f in ("one", "two")]
+    for name, tensor in merged[0].items():
+        torch.testing.assert_close(merged[1][name], tensor, atol=2e-5, rtol=1e-4)
+
+
+def test_combine_hands_the_aligned_models_to_another_mergekit_method(learned, trained_pair):
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    a, b = trained_pair
+    recipe = recipe_for([a, b], **LEARNED, combine="slerp")
+    recipe.update(base_model=str(a), parameters={"t": 0.3})
+    for entry in recipe["models"]:
+        entry.pop("parameters")
+    path = learned / "slerp.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = run_yaml(path, learned / "slerp", learned / "cache")
+    assert result.exit_code == 0, result.output
+    # combine does not change the pass: the aligned models come from the cache.
+    prepared = sorted((learned / "cache" / "lmc_dm").glob("*/model-*"))
+    assert len(prepared) == 2
+    config = MergeConfiguration.model_validate(
+        {
+            "merge_method": "slerp",
+            "base_model": str(prepared[0]),
+            "models": [{"model": str(p)} for p in prepared],
+            "parameters": {"t": 0.3},
+            "dtype": "float32",
+        }
+    )
+    run_merge(config, str(learned / "expected"), MergeOptions(quiet=True))
+    got, expected = (load_file(learned / f / "model.safetensors") for f in ("slerp", "expected"))
+    average = load_file(learned / "merged" / "model.safetensors")
+    assert any(not torch.equal(got[k], average[k]) for k in got)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=0, rtol=0)
+
+
+def test_three_models_are_learned_into_one_basin(trained_pair, zoo_root, tmp_path):
+    from conftest import SMALL_ZOO
+
+    from lmc_mergekit.zoo import build_zoo
+
+    third = build_zoo(zoo_root, seeds=(2,), progress=False, **SMALL_ZOO)[0]
+    recipe = write_recipe(tmp_path, [*trained_pair, third], **LEARNED)
+    result = run_yaml(recipe, tmp_path / "out", tmp_path / "cache")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "lmc_report.json").read_text())
+    assert [pair["b"] for pair in report["pairs"]] == [str(trained_pair[1]), str(third)]
+    matched = [pair["matched"]["barrier"] for pair in report["pairs"]]
+    after = [pair["learned"]["barrier"] for pair in report["pairs"]]
+    assert all(x < pair["raw"]["barrier"] for x, pair in zip(after, report["pairs"], strict=True))
+    assert sum(after) < sum(matched), (matched, after)
+    assert len(list((tmp_path / "cache" / "lmc_dm").glob("*/model-*"))) == 3
