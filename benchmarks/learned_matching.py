@@ -272,13 +272,13 @@ def cmd_three(args) -> None:
     pairs = list(itertools.combinations(range(3), 2))
     rows = {"raw": setup.raw, "weight matching": setup.endpoints}
     rows["three at once"], _ = setup.learn(config)
-    # Pairwise: each other model learned against the first, two endpoints at a time.
-    pairwise = [None, None, None]
+    # Pairwise: each other model learned against the first, which stays fixed (one-sided), so
+    # that all of them end up in the first model's frame.
+    pairwise = [setup.endpoints[0], None, None]
     for other in (1, 2):
-        ends, _ = setup.learn(config, [setup.endpoints[0], setup.endpoints[other]])
-        pairwise[0] = pairwise[0] or ends[0]
+        ends, _ = setup.learn(replace(config, dual=False), [pairwise[0], setup.endpoints[other]])
         pairwise[other] = ends[1]
-    rows["pairwise (each with the first)"] = pairwise
+    rows["pairwise (each with the fixed first)"] = pairwise
     header = " | ".join(f"barrier {a + 1}–{b + 1}" for a, b in pairs)
     print(f"\n{args.arch[0]} d={args.hidden}, seeds 0, 1, 2, {args.steps} steps\n")
     print(f"| alignment | {header} | three-way average loss |\n|---|---|---|---|---|")

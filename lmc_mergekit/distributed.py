@@ -52,3 +52,9 @@ def processes(device: torch.device | None = None) -> Processes:
         cuda = device is not None and device.type == "cuda"
         dist.init_process_group(backend="nccl" if cuda else "gloo")
     return Processes(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def close_processes() -> None:
+    """Leave the process group (if this run joined one)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -29,8 +29,7 @@ class InterpolationObjective(nn.Module):
         model: FunctionalModel,
     ):
         super().__init__()
-        device = next(model.module.buffers(), torch.zeros(())).device
-        self.endpoints = [_on(view, device) for view in endpoints]
+        self.endpoints = [_on(view, model.device) for view in endpoints]
         self.learns = [symmetry is not None for symmetry in symmetries]
         self.symmetries = nn.ModuleList(s for s in symmetries if s is not None)
         self.model = model

@@ -144,7 +144,7 @@ def learn_symmetries(
         for index in range(len(endpoints))
     ]
     objective = InterpolationObjective(endpoints, learned, model)
-    device = next(model.module.buffers()).device
+    device = model.device
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
     if not params:

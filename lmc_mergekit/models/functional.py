@@ -41,6 +41,7 @@ class FunctionalModel:
         )
         self.module.to(device).eval().requires_grad_(False)
         self.names = {name for name, _ in self.module.named_parameters()}
+        self.device = device
 
     def state(self, emb: Embeddings, blocks: list[Block], head: Head) -> dict[str, torch.Tensor]:
         """The module's parameters from canonical parts (checked once by :meth:`loss`)."""

@@ -39,7 +39,8 @@ MATCHED_FILE = "weight-matching-{}.safetensors"
 
 
 def run(ctx: PassContext) -> None:
-    """Write one aligned checkpoint per input, and the report when ``evaluate`` is set."""
+    """Write one aligned checkpoint per input and the report (with the measured paths when
+    ``evaluate`` is set); in a distributed run only the main process writes."""
     settings: AlignmentSettings = ctx.settings
     views = ctx.open_inputs()
     if len(views) < 2:

@@ -13,7 +13,7 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.plugin.demo import DEMO_ALIGN_STEPS
+from lmc_mergekit.plugin.demo import DEMO_ALIGN_STEPS, DEMO_TRAIN_STEPS
 
 
 def one_line_errors(fn):
@@ -402,7 +402,13 @@ def barrier_command(
 )
 @click.option("--hidden", type=int, default=64, show_default=True, help="Width of the zoo models")
 @click.option("--layers", type=int, default=4, show_default=True, help="Depth of the zoo models")
-@click.option("--steps", type=int, default=600, show_default=True, help="Training steps per model")
+@click.option(
+    "--steps",
+    type=int,
+    default=DEMO_TRAIN_STEPS,
+    show_default=True,
+    help="Training steps per model",
+)
 @click.option(
     "--align-steps",
     type=click.IntRange(min=0),

@@ -53,9 +53,10 @@ class DemoResult:
         )
 
 
-# Learned-matching steps of the demo: with the evaluation below it keeps the whole demo, zoo
-# training included, under 5 minutes on 2 CPU cores.
-DEMO_ALIGN_STEPS = 150
+# Training steps per zoo model and learned-matching steps of the demo: with the evaluation below
+# they keep the whole demo, zoo training included, under 5 minutes on 2 CPU cores.
+DEMO_TRAIN_STEPS = 500
+DEMO_ALIGN_STEPS = 120
 
 
 def demo_recipe(models: list[Path], align_steps: int = DEMO_ALIGN_STEPS) -> dict:
@@ -68,8 +69,8 @@ def demo_recipe(models: list[Path], align_steps: int = DEMO_ALIGN_STEPS) -> dict
             "matching": "weights",
             "steps": align_steps,
             "lr": 0.02,
-            "eval_sequences": 192,
-            "points": 9,
+            "eval_sequences": 128,
+            "points": 7,
         },
     }
 
@@ -82,7 +83,7 @@ def run_demo(
     arch: str = "gpt_neox",
     hidden: int = 64,
     layers: int = 4,
-    steps: int = 600,
+    steps: int = DEMO_TRAIN_STEPS,
     align_steps: int = DEMO_ALIGN_STEPS,
     seeds: tuple[int, int] = (0, 1),
     overwrite: bool = False,

@@ -13,7 +13,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
-from lmc_mergekit.distributed import Processes, processes
+from lmc_mergekit.distributed import Processes, close_processes, processes
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.checkpoint import model_dir
 from lmc_mergekit.passes import PASSES, FinishContext, PassContext
@@ -43,14 +43,17 @@ def run_recipe_file(
     recipe = parse_recipe(path.read_text(encoding="utf-8"))
     out = Path(out).expanduser().absolute()
     procs = processes(pass_device(options))
-    if not procs.is_main:
-        # Under torchrun / accelerate launch the other processes only help with the pass.
-        if recipe.plugin_method is not None:
-            prepare_inputs(recipe, options, cache_dir, procs)
+    try:
+        if not procs.is_main:
+            # Under torchrun / accelerate launch the other processes only help with the pass.
+            if recipe.plugin_method is not None:
+                prepare_inputs(recipe, options, cache_dir, procs)
+            return out
+        with staged_output(out, overwrite) as staging:
+            run_recipe(recipe, staging, out.name, options, cache_dir, procs)
         return out
-    with staged_output(out, overwrite) as staging:
-        run_recipe(recipe, staging, out.name, options, cache_dir, procs)
-    return out
+    finally:
+        close_processes()
 
 
 def run_recipe(
