@@ -66,28 +66,23 @@ class Setup:
         self.test = load_split(config, tokenizer, "test", args.eval)
 
     @torch.no_grad()
-    def path(self, endpoints, pair=(0, 1)) -> list[float]:
-        """Test loss along the straight path between two endpoints."""
+    def loss(self, endpoints, weights: torch.Tensor) -> float:
+        """Test loss of the mix of ``endpoints`` with ``weights``."""
         objective = InterpolationObjective(endpoints, [None] * len(endpoints), self.model)
+        total = sum(objective(weights, x) * len(x) for x in self.test.split(32))
+        return float(total / len(self.test))
+
+    def barrier(self, endpoints, pair=(0, 1)) -> float:
+        """Barrier on the straight path between two of the endpoints."""
         losses = []
         for lam in GRID:
             weights = torch.zeros(len(endpoints))
             weights[pair[0]], weights[pair[1]] = 1 - lam, lam
-            total = sum(objective(weights, x) * len(x) for x in self.test.split(32))
-            losses.append(float(total / len(self.test)))
-        return losses
-
-    def barrier(self, endpoints, pair=(0, 1)) -> float:
-        losses = self.path(endpoints, pair)
+            losses.append(self.loss(endpoints, weights))
         return max(losses) - (losses[0] + losses[-1]) / 2
 
     def centre_loss(self, endpoints) -> float:
-        objective = InterpolationObjective(endpoints, [None] * len(endpoints), self.model)
-        weights = torch.full((len(endpoints),), 1 / len(endpoints))
-        with torch.no_grad():
-            return float(
-                sum(objective(weights, x) * len(x) for x in self.test.split(32)) / len(self.test)
-            )
+        return self.loss(endpoints, torch.full((len(endpoints),), 1 / len(endpoints)))
 
     def learn(self, config: LearningConfig, endpoints=None, on_checkpoint=None):
         endpoints = endpoints or self.endpoints

@@ -33,22 +33,26 @@ class InterpolationObjective(nn.Module):
         self.learns = [symmetry is not None for symmetry in symmetries]
         self.symmetries = nn.ModuleList(s for s in symmetries if s is not None)
         self.model = model
+        # An endpoint held fixed has the same module state at every step.
+        self.fixed_states = {
+            index: model.state(view.embeddings_, view.blocks, view.head_)
+            for index, (view, learns) in enumerate(zip(self.endpoints, self.learns, strict=True))
+            if not learns
+        }
 
     def mixed_state(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """The module state of ``Σ weights_i π_i(Θ_i)``."""
         learned = iter(self.symmetries)
         mixed: dict[str, torch.Tensor] = {}
-        for weight, learns, view in zip(weights, self.learns, self.endpoints, strict=True):
-            if learns:
+        for index, (weight, view) in enumerate(zip(weights, self.endpoints, strict=True)):
+            state = self.fixed_states.get(index)
+            if state is None:
                 t = next(learned).transform()
-                emb = transform_embeddings(view.embeddings_, t)
-                blocks = [
-                    transform_block(block, view.spec, t, i) for i, block in enumerate(view.blocks)
-                ]
-                head = transform_head(view.head_, t)
-            else:
-                emb, blocks, head = view.embeddings_, view.blocks, view.head_
-            state = self.model.state(emb, blocks, head)
+                state = self.model.state(
+                    transform_embeddings(view.embeddings_, t),
+                    [transform_block(b, view.spec, t, i) for i, b in enumerate(view.blocks)],
+                    transform_head(view.head_, t),
+                )
             for name, tensor in state.items():
                 term = weight * tensor
                 mixed[name] = term if name not in mixed else mixed[name] + term

@@ -15,6 +15,7 @@ run stops with an error.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -155,9 +156,7 @@ def learn_symmetries(
     state = _State(objective, optimizer)
     checkpoint = None if state_dir is None else state_dir / CHECKPOINT_FILE
     resumed_from = state.load(checkpoint, config) if checkpoint else None
-    # The last few checkpoints: one taken just before a blow-up may already hold bad values, so
-    # a rollback that fails again goes one further back.
-    saved = deque([state.snapshot()], maxlen=KEPT_SNAPSHOTS)
+    state.keep()
     start = time.perf_counter()
     autocast = device.type == "cuda"
     bar = tqdm(
@@ -184,10 +183,7 @@ def learn_symmetries(
         processes.mean([reduced] + [p.grad for p in params])
         value = float(reduced)
         if state.diverged(value):
-            if state.rollbacks and state.rollbacks[-1]["back_to"] == saved[-1]["step"]:
-                if len(saved) > 1:
-                    saved.pop()
-            state.roll_back(saved[-1], step, value, config)
+            state.roll_back(step, value, config)
             bar.n = state.step
             bar.refresh()
             continue
@@ -197,9 +193,9 @@ def learn_symmetries(
         bar.update()
         bar.set_postfix(loss=f"{value:.4f}", lr=f"{group['lr']:.2e}")
         if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-            saved.append(state.snapshot())
+            snapshot = state.keep()
             if checkpoint is not None and processes.is_main:
-                state.save(checkpoint, saved[-1], config)
+                state.save(checkpoint, snapshot, config)
             if on_checkpoint is not None:
                 on_checkpoint(state.step, _transforms(learned, spec.num_layers))
     bar.close()
@@ -222,7 +218,7 @@ def _transforms(learned: list[LearnedSymmetry | None], num_layers: int) -> list[
 
 
 class _State:
-    """What a checkpoint holds, and rolling back to one."""
+    """What a checkpoint holds, the last few kept in memory, and rolling back to one."""
 
     def __init__(self, objective: InterpolationObjective, optimizer: torch.optim.Optimizer):
         self.objective, self.optimizer = objective, optimizer
@@ -230,6 +226,14 @@ class _State:
         self.lr_scale = 1.0
         self.losses: list[float] = []
         self.rollbacks: list[dict] = []
+        # One taken just before a blow-up may already hold bad values, so a rollback that fails
+        # again goes one further back.
+        self.kept: deque[dict] = deque(maxlen=KEPT_SNAPSHOTS)
+
+    def keep(self) -> dict:
+        """Take a snapshot and keep it as a rollback target."""
+        self.kept.append(self.snapshot())
+        return self.kept[-1]
 
     def snapshot(self) -> dict:
         return {
@@ -238,7 +242,7 @@ class _State:
             "losses": list(self.losses),
             "rollbacks": list(self.rollbacks),
             "symmetries": {k: v.clone() for k, v in self.objective.symmetries.state_dict().items()},
-            "optimizer": _clone(self.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
     def restore(self, snapshot: dict) -> None:
@@ -247,15 +251,20 @@ class _State:
         self.losses = list(snapshot["losses"])
         self.rollbacks = list(snapshot["rollbacks"])
         self.objective.symmetries.load_state_dict(snapshot["symmetries"])
-        self.optimizer.load_state_dict(_clone(snapshot["optimizer"]))
+        self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
 
     def diverged(self, loss: float) -> bool:
         if not math.isfinite(loss):
             return True
         return bool(self.losses) and loss > EXPLODE_FACTOR * self.losses[0]
 
-    def roll_back(self, saved: dict, step: int, loss: float, config: LearningConfig) -> None:
-        """Back to ``saved`` with half the learning rate (an error after too many tries)."""
+    def roll_back(self, step: int, loss: float, config: LearningConfig) -> None:
+        """Back to the last kept snapshot (one further back if that one failed already) with
+        half the learning rate; an error after too many tries."""
+        if self.rollbacks and self.rollbacks[-1]["back_to"] == self.kept[-1]["step"]:
+            if len(self.kept) > 1:
+                self.kept.pop()
+        saved = self.kept[-1]
         rollbacks = [*self.rollbacks, {"step": step, "loss": loss, "back_to": saved["step"]}]
         if len(rollbacks) > config.max_rollbacks:
             raise LmcError(
@@ -281,13 +290,3 @@ class _State:
             return None  # settings changed: start over
         self.restore(saved)
         return self.step
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clone(v) for v in value]
-    return value

@@ -55,12 +55,14 @@ def run(ctx: PassContext) -> None:
     final, learning = matched, None
     if settings.steps:
         started = time.perf_counter()
+        matched_views = zip(views, matched, strict=True)
+        endpoints = [materialize(apply_transform(view, t)) for view, t in matched_views]
         result = learn_symmetries(
-            [materialize(apply_transform(v, t)) for v, t in zip(views, matched, strict=True)],
+            endpoints,
             FunctionalModel(
                 views[0].folder,
                 views[0].adapter,
-                apply_transform(views[0], matched[0]).spec,
+                endpoints[0].spec,
                 pass_device(ctx.options),
                 ctx.options.trust_remote_code,
             ),
