@@ -12,11 +12,29 @@ from pathlib import Path
 
 import torch
 from torch.func import functional_call
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import Adapter, load_config
+from lmc_mergekit.models.checkpoint import read_config
 from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec
+
+
+def module_config(
+    folder: Path, adapter: Adapter, spec: ModelSpec, trust_remote_code: bool = False
+) -> PretrainedConfig:
+    """The transformers config of ``folder``'s model rewritten to describe ``spec``: the config
+    a checkpoint of ``spec`` written from ``folder`` gets."""
+    config = load_config(folder, trust_remote_code)
+    return type(config).from_dict(adapter.updated_config(read_config(folder), spec))
+
+
+def stock_module(config: PretrainedConfig, device: torch.device, trust_remote_code: bool = False):
+    """A float32 module of ``config`` in eval mode with frozen (placeholder) parameters."""
+    module = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
+    return module.to(device).eval().requires_grad_(False)
 
 
 class FunctionalModel:
@@ -31,15 +49,10 @@ class FunctionalModel:
         device: torch.device,
         trust_remote_code: bool = False,
     ):
-        config = load_config(folder, trust_remote_code)
-        for key, value in adapter.config_updates(spec).items():
-            setattr(config, key, value)
+        config = module_config(folder, adapter, spec, trust_remote_code)
         config.tie_word_embeddings = False
         self.adapter, self.spec = adapter, spec
-        self.module = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
-        self.module.to(device).eval().requires_grad_(False)
+        self.module = stock_module(config, device, trust_remote_code)
         self.names = {name for name, _ in self.module.named_parameters()}
         self.device = device
 

@@ -40,6 +40,7 @@ class ModelSpec:
     activation: str
     tied_embeddings: bool
     learned_positions: int = 0
+    rope_theta: float = 10000.0
 
     @property
     def group_size(self) -> int:

@@ -11,7 +11,13 @@ from lmc_mergekit.passes.context import FinishContext, PassContext, PreMergePass
 
 PASSES: dict[str, PreMergePass] = {
     "lmc_dm": PreMergePass(run=lmc_dm.run, finish=lmc_dm.finish),
-    "subclone_compensate": PreMergePass(run=subclone.run),
+    "subclone_compensate": PreMergePass(
+        run=subclone.run,
+        finish=subclone.finish,
+        checked="Each converted checkpoint is a smaller model, not a copy of its donor's "
+        "function; it was reloaded through transformers and checked to compute the logits "
+        "the conversion computed.",
+    ),
     "ls_merge": PreMergePass(run=ls_merge.run),
 }
 

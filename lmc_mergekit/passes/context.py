@@ -75,8 +75,10 @@ class FinishContext:
 
 @dataclass(frozen=True)
 class PreMergePass:
-    """A method's pre-merge pass, and an optional step after the merge that completes its
-    report in the output folder and returns a Markdown section for the model card."""
+    """A method's pre-merge pass, an optional step after the merge that completes its report
+    in the output folder and returns a Markdown section for the model card, and the card's
+    sentence on how each prepared checkpoint was checked."""
 
     run: Callable[[PassContext], None]
     finish: Callable[[FinishContext], str] | None = None
+    checked: str = "Every prepared checkpoint was checked to reproduce its source's logits."

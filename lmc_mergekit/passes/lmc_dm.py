@@ -26,6 +26,7 @@ from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.functional import FunctionalModel
 from lmc_mergekit.models.view import materialize
 from lmc_mergekit.passes.context import FinishContext, PassContext, pass_device
+from lmc_mergekit.passes.recipe_data import add_merged_loss, load_recipe_split
 from lmc_mergekit.plugin.recipe import AlignmentSettings
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
@@ -34,6 +35,7 @@ from lmc_mergekit.transform_checkpoint import transform_checkpoint
 REPORT_FILE = "lmc_report.json"
 PLOT_FILE = "lmc_barrier.png"
 LABELS = {"raw": "raw", "matched": "weight matching", "learned": "learned matching"}
+EVALUATE_FIX = "set 'evaluate: false' under alignment:"
 # Inside the state folder: the weight-matching transforms, so a resumed run skips matching.
 MATCHED_FILE = "weight-matching-{}.safetensors"
 
@@ -207,21 +209,9 @@ def _measure_paths(
 
 def finish(ctx: FinishContext) -> str:
     """Add the merged model's test loss to the report; the card's summary of the barriers."""
-    path = ctx.folder / REPORT_FILE
-    if not path.is_file():
+    report = add_merged_loss(ctx, REPORT_FILE, AlignmentSettings, EVALUATE_FIX)
+    if report is None or not report["settings"]["evaluate"]:
         return ""
-    report = json.loads(path.read_text(encoding="utf-8"))
-    settings = AlignmentSettings.model_validate(report["settings"])
-    if not settings.evaluate:
-        return ""
-    sequences, _ = _load_split(ctx.inputs, settings, "test")
-    from lmc_mergekit.evaluation.loss import mean_token_loss
-    from lmc_mergekit.evaluation.selfcheck import load_fp32
-
-    model = load_fp32(ctx.folder, ctx.options.trust_remote_code).to(pass_device(ctx.options))
-    loss = mean_token_loss(model, sequences, progress=not ctx.options.quiet)
-    report["merged"] = {"test_loss": loss.loss, "tokens": loss.tokens}
-    path.write_text(json.dumps(report, indent=2), encoding="utf-8")
     return card_section(report)
 
 
@@ -257,21 +247,14 @@ def _load_split(
     inputs: tuple[Path, ...], settings: AlignmentSettings, split: str
 ) -> tuple[torch.Tensor, dict]:
     """Test sequences for evaluation, or train sequences for learned matching."""
-    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(inputs)
-    except LmcError as error:
-        fix = "set 'evaluate: false' under alignment:" if split == "test" else "use steps: 0"
-        raise LmcError(f"{error} (or {fix})") from None
-    config = DataConfig(source=settings.data, field=settings.field, seq_len=settings.seq_len)
-    most = settings.eval_sequences if split == "test" else settings.calibration_sequences
-    sequences = load_split(config, tokenizer, split, most)
-    data = {
-        "description": config.describe(),
-        "split": split,
-        "sequences": int(sequences.shape[0]),
-        "seq_len": settings.seq_len,
-        "tokens": int(sequences.shape[0] * (settings.seq_len - 1)),
-    }
-    return sequences, data
+    if split == "test":
+        return load_recipe_split(
+            inputs,
+            settings,
+            split,
+            settings.eval_sequences,
+            "set 'evaluate: false' under alignment:",
+        )
+    return load_recipe_split(
+        inputs, settings, split, settings.calibration_sequences, "use steps: 0"
+    )

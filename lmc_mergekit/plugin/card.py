@@ -12,10 +12,16 @@ from lmc_mergekit.plugin.recipe import Recipe
 
 
 def write_card(
-    folder: Path, recipe: Recipe, name: str, prepared: dict[str, Path], summary: str = ""
+    folder: Path,
+    recipe: Recipe,
+    name: str,
+    prepared: dict[str, Path],
+    summary: str = "",
+    checked: str = "",
 ) -> None:
-    """README.md (mergekit's card plus a section on the pre-merge pass and the pass's own
-    ``summary``, in Markdown) and mergekit_config.yml."""
+    """README.md (mergekit's card plus a section on the pre-merge pass, the sentence
+    ``checked`` on how its outputs were checked and the pass's own ``summary``, in Markdown)
+    and mergekit_config.yml."""
     text = generate_card(config=recipe.config, config_yaml=recipe.source, name=name)
     method = recipe.plugin_method
     settings = json.dumps(recipe.settings.model_dump(mode="json"), indent=2, sort_keys=True)
@@ -24,7 +30,7 @@ def write_card(
         f"\n## Pre-merge pass (lmc-mergekit)\n\n"
         f"Each input went through the `{method.name}` pre-merge pass of "
         f"[lmc-mergekit](https://pypi.org/project/lmc-mergekit/) before mergekit combined the "
-        f"tensors. Every prepared checkpoint was checked to reproduce its source's logits.\n\n"
+        f"tensors. {checked}\n\n"
         f"Settings (`{method.section}:`):\n\n```json\n{settings}\n```\n\n"
         f"| input | prepared checkpoint |\n|---|---|\n{rows}\n"
     )

@@ -82,13 +82,13 @@ def run_recipe(
     )
     if report_dir.is_dir():
         shutil.copytree(report_dir, folder, dirs_exist_ok=True)
-    finish = PASSES[recipe.plugin_method.name].finish
+    premerge = PASSES[recipe.plugin_method.name]
     summary = ""
-    if finish is not None:
+    if premerge.finish is not None:
         inputs = tuple(Path(source) for source in prepared)
-        summary = finish(FinishContext(folder, recipe, inputs, options))
+        summary = premerge.finish(FinishContext(folder, recipe, inputs, options))
     if options.write_model_card:
-        write_card(folder, recipe, name, prepared, summary)
+        write_card(folder, recipe, name, prepared, summary, premerge.checked)
 
 
 def recipe_inputs(config: MergeConfiguration, method: str) -> list[Path]:

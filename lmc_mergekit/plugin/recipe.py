@@ -115,29 +115,65 @@ class AlignmentSettings(Section):
 class SubcloneSettings(Section):
     """``subclone:`` for ``subclone_compensate``."""
 
-    hidden_size: int | None = Field(None, gt=0)
-    num_hidden_layers: int | None = Field(None, gt=0)
-    num_attention_heads: int | None = Field(None, gt=0)
-    num_key_value_heads: int | None = Field(None, gt=0)
-    intermediate_size: int | None = Field(None, gt=0)
-    target_config: str | None = Field(None, description="config.json of the target shape")
-    data: str | None = Field(None, description="calibration text (default: the bundled corpus)")
-    compensate: bool = True
-    rescale: Literal["none", "o_down", "all"] = "o_down"
-    selection: Literal["weight_norm", "random"] = "weight_norm"
+    hidden_size: int | None = Field(None, gt=0, description="target width")
+    num_hidden_layers: int | None = Field(None, gt=0, description="target depth")
+    num_attention_heads: int | None = Field(None, gt=0, description="target query heads")
+    num_key_value_heads: int | None = Field(
+        None, gt=0, description="target key/value heads (default: the donor's group size kept)"
+    )
+    head_dim: int | None = Field(
+        None, gt=0, description="target head size where config.json stores it (Llama family)"
+    )
+    intermediate_size: int | None = Field(None, gt=0, description="target MLP width")
+    target_config: str | None = Field(
+        None, description="config.json (or its folder) of a model of the target shape"
+    )
+    compensate: bool = Field(
+        True, description="refit attention output and MLP down by least squares"
+    )
+    rescale: Literal["none", "o_down", "all"] = Field(
+        "o_down", description="multiply by sqrt(n/n'): none, attention output + MLP down, all"
+    )
+    selection: Literal["weight_norm", "random"] = Field(
+        "weight_norm", description="rank heads, dims and units by weight norm, or at random"
+    )
+    ridge: float = Field(
+        0.01, ge=0, description="ridge strength relative to the mean feature energy"
+    )
+    seed: int = Field(0, ge=0, description="seed of the random selection")
+    calibration_sequences: int = Field(
+        256, ge=1, description="train-split sequences the conversion calibrates on"
+    )
+    evaluate: bool = Field(True, description="measure donor and converted test losses")
+    data: str | None = Field(
+        None, description="calibration and evaluation text (default: the bundled corpus)"
+    )
+    field: str = Field("text", description="text field of JSON Lines or datasets rows")
+    seq_len: int = Field(128, ge=2, description="tokens per sequence")
+    eval_sequences: int = Field(
+        DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
+    )
 
     @model_validator(mode="after")
     def _needs_target(self) -> SubcloneSettings:
-        shape = (
-            self.hidden_size,
-            self.num_hidden_layers,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.intermediate_size,
-        )
-        if self.target_config is None and all(value is None for value in shape):
+        named = [key for key in SHAPE_KEYS if getattr(self, key) is not None]
+        if self.target_config is None and not named:
             raise ValueError("name a target shape (hidden_size, ...) or a target_config")
+        if self.target_config is not None and named:
+            raise ValueError(
+                f"give either target_config or shape keys ({', '.join(named)}), not both"
+            )
         return self
+
+
+SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+)
 
 
 class LatentSettings(Section):

@@ -60,10 +60,56 @@ def train_model(
         split: load_split(data, tokenizer, split, max_sequences=DEFAULT_EVAL_SEQUENCES)
         for split in ("validation", "test")
     }
-    warmup = max(0, min(warmup, steps // 5))
-
     torch.manual_seed(seed)  # the initialisation
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    record = continue_training(
+        model,
+        train,
+        seed=seed,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        warmup=warmup,
+        progress=progress,
+        desc=f"training seed {seed}",
+    )
+    validation, test = (
+        mean_token_loss(model, held_out[split], batch_size=16) for split in ("validation", "test")
+    )
+    record.update(
+        {
+            "validation_loss": float(validation.loss),
+            "validation_tokens": int(validation.tokens),
+            "test_loss": float(test.loss),
+            "test_tokens": int(test.tokens),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+    )
+    return model, record
+
+
+def continue_training(
+    model: PreTrainedModel,
+    train: torch.Tensor,
+    *,
+    seed: int,
+    steps: int,
+    batch_size: int = 16,
+    lr: float = DEFAULT_LR,
+    warmup: int = DEFAULT_WARMUP,
+    progress: bool = True,
+    desc: str = "training",
+) -> dict:
+    """Train ``model`` in place for ``steps`` AdamW steps on batches of the ``(n, length)``
+    sequences ``train`` and leave it in eval mode; return a record of the run.
+
+    The batch order depends on ``seed`` alone, so models trained with one seed see the same
+    data in the same order whatever their starting weights. The learning rate warms up
+    linearly over ``warmup`` steps (at most a fifth of training), then decays along a cosine
+    to a tenth of ``lr``.
+    """
+    warmup = max(0, min(warmup, steps // 5))
+    device = next(model.parameters()).device
     model.train()
     train = train.to(device)
     optimizer = _adamw(model, lr)
@@ -74,7 +120,7 @@ def train_model(
     tokens_per_step = batch_size * train.shape[1]
 
     smoothed, first_loss = 0.0, None
-    bar = tqdm(range(steps), desc=f"training seed {seed}", unit="step", disable=not progress)
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress)
     start = time.perf_counter()
     for step in bar:
         batch = train[next(batches).to(device)]
@@ -96,11 +142,7 @@ def train_model(
             )
     wall = time.perf_counter() - start
     model.eval()
-
-    validation, test = (
-        mean_token_loss(model, held_out[split], batch_size=16) for split in ("validation", "test")
-    )
-    record = {
+    return {
         "seed": seed,
         "steps": steps,
         "batch_size": batch_size,
@@ -112,15 +154,9 @@ def train_model(
         "tokens_seen": tokens_per_step * steps,
         "first_train_loss": first_loss,
         "train_loss": smoothed / (1 - SMOOTHING**steps),
-        "validation_loss": float(validation.loss),
-        "validation_tokens": int(validation.tokens),
-        "test_loss": float(test.loss),
-        "test_tokens": int(test.tokens),
         "wall_time_s": round(wall, 2),
         "tokens_per_s": round(tokens_per_step * steps / wall, 1),
-        "parameters": sum(p.numel() for p in model.parameters()),
     }
-    return model, record
 
 
 def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:

@@ -19,6 +19,8 @@ from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelVi
 
 # Prepared checkpoints are written in 1 GiB shards: the writer buffers one shard in memory.
 DEFAULT_SHARD_SIZE = 1024**3
+# Rotary settings as config.json stored them before transformers 5's ``rope_parameters``.
+LEGACY_ROPE_KEYS = ("rope_theta", "rotary_emb_base", "rotary_pct", "partial_rotary_factor")
 
 
 class Adapter(ABC):
@@ -33,6 +35,16 @@ class Adapter(ABC):
     eps_key: str = ""
     #: Checkpoint keys that ``transformers`` modules name differently in their state dict.
     module_names: ClassVar[dict[str, str]] = {}
+    #: Paths, in the ``transformers`` module, of the parts of layer 0 whose activations size
+    #: conversion observes: ``block`` (its output is the residual stream after the block),
+    #: ``attn_out`` and ``mlp_out`` (the projections writing to the residual stream; their input
+    #: is what they read) and ``mlp_norm`` (its input is the residual stream the MLP reads).
+    block_modules: ClassVar[dict[str, str]] = {}
+    #: Whether the family derives the head size from the width (``hidden_size / heads``)
+    #: rather than storing it in config.json.
+    head_dim_from_hidden: ClassVar[bool] = True
+    #: config.json keys of the model's sizes, and the :class:`ModelSpec` field each holds.
+    size_keys: ClassVar[dict[str, str]] = {}
 
     @abstractmethod
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
@@ -60,8 +72,43 @@ class Adapter(ABC):
         """Checkpoint tensors for the final norm and, unless tied, the LM head."""
 
     def config_updates(self, spec: ModelSpec) -> dict:
-        """config.json entries that follow from ``spec`` (transforms may change these)."""
-        return {self.eps_key: spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings}
+        """config.json entries that follow from ``spec``, other than the rotary settings
+        (transforms change the norm epsilon and the tying; size conversion the shape)."""
+        sizes = {key: getattr(spec, field) for key, field in self.size_keys.items()}
+        return {self.eps_key: spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings, **sizes}
+
+    def updated_config(self, raw: dict, spec: ModelSpec) -> dict:
+        """The config.json ``raw`` of a model of this family rewritten to describe ``spec``.
+
+        Rotary settings are rewritten (as transformers 5 ``rope_parameters``, the older keys
+        dropped) only where ``spec`` changes the base or the rotary fraction.
+        """
+        config = {**raw, **self.config_updates(spec)}
+        kinds = raw.get("layer_types")
+        if isinstance(kinds, list) and len(kinds) != spec.num_layers:
+            if len(set(kinds)) > 1:
+                raise LmcError(
+                    f"the layers of this {spec.architecture} model use different attention "
+                    f"types ({', '.join(sorted(set(kinds)))}); changing its depth is not "
+                    "supported"
+                )
+            config["layer_types"] = kinds[:1] * spec.num_layers
+        if not spec.rotary_dims:
+            return config
+        model_type = raw["model_type"]
+        kwargs = {key: value for key, value in raw.items() if key != "model_type"}
+        params = dict(AutoConfig.for_model(model_type, **kwargs).rope_parameters or {})
+        factor = spec.rotary_dims / spec.head_dim
+        old_factor = params.get("partial_rotary_factor", 1.0)
+        if params.get("rope_theta") == spec.rope_theta and old_factor == factor:
+            return config
+        for key in LEGACY_ROPE_KEYS:
+            config.pop(key, None)
+        params["rope_theta"] = spec.rope_theta
+        if factor != 1.0 or "partial_rotary_factor" in params:
+            params["partial_rotary_factor"] = factor
+        config["rope_parameters"] = params
+        return config
 
     def module_state(self, parts: tuple[Embeddings, list[Block], Head], spec: ModelSpec) -> dict:
         """The tensors of a model in canonical parts, named as the ``transformers`` module's
@@ -108,8 +155,7 @@ class Adapter(ABC):
         writer.write(self.head_tensors(head, spec))
         writer.close()
         with open(source / "config.json", encoding="utf-8") as fp:
-            config = json.load(fp)
-        config.update(self.config_updates(spec))
+            config = self.updated_config(json.load(fp), spec)
         with open(folder / "config.json", "w", encoding="utf-8") as fp:
             json.dump(config, fp, indent=2, sort_keys=True)
             fp.write("\n")
@@ -153,6 +199,19 @@ def load_config(folder: Path, trust_remote_code: bool = False) -> PretrainedConf
         raise LmcError(
             f"cannot read the config of {folder}: {str(error).splitlines()[0]}"
         ) from None
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    """The rotary base of a config (transformers 5 ``rope_parameters`` or older keys)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    for value in (
+        params.get("rope_theta"),
+        getattr(config, "rope_theta", None),
+        getattr(config, "rotary_emb_base", None),
+    ):
+        if value is not None:
+            return float(value)
+    return 10000.0
 
 
 def rotary_dims(config: PretrainedConfig, head_dim: int) -> int:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from transformers import PretrainedConfig
 
@@ -16,6 +18,18 @@ class GPT2Adapter(Adapter):
 
     model_types = ("gpt2",)
     eps_key = "layer_norm_epsilon"
+    block_modules: ClassVar[dict[str, str]] = {
+        "block": "transformer.h.0",
+        "attn_out": "transformer.h.0.attn.c_proj",
+        "mlp_out": "transformer.h.0.mlp.c_proj",
+        "mlp_norm": "transformer.h.0.ln_2",
+    }
+    size_keys: ClassVar[dict[str, str]] = {
+        "n_embd": "hidden_size",
+        "n_layer": "num_layers",
+        "n_head": "num_heads",
+        "n_inner": "intermediate_size",
+    }
 
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
         d = config.n_embd

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from transformers import PretrainedConfig
 
-from lmc_mergekit.models.adapters.base import Adapter, read_norm, rotary_dims
+from lmc_mergekit.models.adapters.base import Adapter, read_norm, rope_theta, rotary_dims
 from lmc_mergekit.models.checkpoint import CheckpointReader
 from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec
 
@@ -22,6 +22,18 @@ class GPTNeoXAdapter(Adapter):
     model_types = ("gpt_neox",)
     eps_key = "layer_norm_eps"
     module_names: ClassVar[dict[str, str]] = {"embed_out.weight": "lm_head.weight"}
+    block_modules: ClassVar[dict[str, str]] = {
+        "block": "gpt_neox.layers.0",
+        "attn_out": "gpt_neox.layers.0.attention.dense",
+        "mlp_out": "gpt_neox.layers.0.mlp.dense_4h_to_h",
+        "mlp_norm": "gpt_neox.layers.0.post_attention_layernorm",
+    }
+    size_keys: ClassVar[dict[str, str]] = {
+        "hidden_size": "hidden_size",
+        "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_heads",
+        "intermediate_size": "intermediate_size",
+    }
 
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
         heads = config.num_attention_heads
@@ -42,6 +54,7 @@ class GPTNeoXAdapter(Adapter):
             gated_mlp=False,
             activation=config.hidden_act,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            rope_theta=rope_theta(config),
         )
 
     def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:

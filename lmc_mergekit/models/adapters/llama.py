@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from transformers import PretrainedConfig
 
-from lmc_mergekit.models.adapters.base import Adapter, read_norm, rotary_dims
+from lmc_mergekit.models.adapters.base import Adapter, read_norm, rope_theta, rotary_dims
 from lmc_mergekit.models.checkpoint import CheckpointReader
 from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec
 
@@ -15,6 +17,21 @@ class LlamaAdapter(Adapter):
 
     model_types = ("llama", "mistral", "qwen2")
     eps_key = "rms_norm_eps"
+    block_modules: ClassVar[dict[str, str]] = {
+        "block": "model.layers.0",
+        "attn_out": "model.layers.0.self_attn.o_proj",
+        "mlp_out": "model.layers.0.mlp.down_proj",
+        "mlp_norm": "model.layers.0.post_attention_layernorm",
+    }
+    head_dim_from_hidden: ClassVar[bool] = False
+    size_keys: ClassVar[dict[str, str]] = {
+        "hidden_size": "hidden_size",
+        "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_heads",
+        "num_key_value_heads": "num_kv_heads",
+        "head_dim": "head_dim",
+        "intermediate_size": "intermediate_size",
+    }
 
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
         heads = config.num_attention_heads
@@ -35,6 +52,7 @@ class LlamaAdapter(Adapter):
             gated_mlp=True,
             activation=config.hidden_act,
             tied_embeddings=bool(config.tie_word_embeddings),
+            rope_theta=rope_theta(config),
         )
 
     def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:

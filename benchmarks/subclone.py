@@ -1,0 +1,218 @@
+"""``subclone_compensate`` on zoo donors: the ablation table and the cost of a conversion.
+
+    python benchmarks/subclone.py table [--zoo DIR] [--arch gpt_neox llama] [--axes ...]
+                                        [--steps 150] [--lr 2e-3]
+    python benchmarks/subclone.py cost  [--zoo DIR] [--arch gpt_neox llama]
+
+The donors are zoo models of d=256, 4 layers, 8 heads of 32 dims (built when missing: about
+10 minutes each on two CPU cores). Axes: ``width`` (d 256→128 with 8 heads of 16 dims, MLP
+halved), ``heads`` (d 256→128 with 4 heads of 32 dims, MLP halved), ``depth`` (4→2 layers) and
+``all`` (d 128, 2 layers, 4 heads, MLP halved). ``table``: the test loss of each arm zero-shot
+and after the same continued training (same data order, AdamW, learning rate and steps), next
+to a randomly initialised model of the target shape trained alike (from scratch). ``cost``: the
+time and peak memory of one compensated conversion against one forward pass of the donor over
+the calibration set, each in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+from lmc_mergekit.evaluation.loss import mean_token_loss
+from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.functional import module_config
+from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.subclone.convert import ConversionConfig, convert_model
+from lmc_mergekit.subclone.target import resolve_target
+from lmc_mergekit.zoo import build_zoo_model
+from lmc_mergekit.zoo.train import continue_training
+
+DONOR = {"hidden": 256, "layers": 4, "steps": 1000, "seed": 0}
+AXES = {
+    "width": {"hidden_size": 128, "intermediate_size": None},
+    "heads": {"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": None},
+    "depth": {"num_hidden_layers": 2},
+    "all": {
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": None,
+    },
+}
+ARMS = {
+    "plain subclone": ConversionConfig(compensate=False, rescale="none"),
+    "subclone + rescale all": ConversionConfig(compensate=False, rescale="all"),
+    "subclone + rescale o/down": ConversionConfig(compensate=False, rescale="o_down"),
+    "compensated": ConversionConfig(compensate=True, rescale="none"),
+    "compensated + rescale o/down": ConversionConfig(compensate=True, rescale="o_down"),
+}
+SCRATCH = "random init (from scratch)"
+CALIBRATION = 256
+
+
+def sizes_for(axis: str, donor) -> dict:
+    """The recipe's size keys of an axis (None MLP width: half the donor's)."""
+    sizes = dict(AXES[axis])
+    if "intermediate_size" in sizes:
+        sizes["intermediate_size"] = donor.intermediate_size // 2
+    return sizes
+
+
+def table(args) -> None:
+    results = {}
+    for arch in args.arch:
+        donor_dir = build_zoo_model(args.zoo, arch, **DONOR)
+        view = open_model(donor_dir)
+        tokenizer = load_tokenizer([donor_dir])
+        data = DataConfig()
+        calibration = load_split(data, tokenizer, "train", CALIBRATION)
+        train = load_split(data, tokenizer, "train")
+        test = load_split(data, tokenizer, "test", args.eval)
+        donor_loss = mean_token_loss(load_fp32(donor_dir), test).loss
+        print(f"\n{arch} donor {donor_dir.name}: test loss {donor_loss:.3f}", flush=True)
+        for axis in args.axes:
+            target, plan = resolve_target(view.spec, view.adapter, sizes_for(axis, view.spec))
+            rows = {}
+            for arm, config in [(SCRATCH, None), *ARMS.items()]:
+                started = time.perf_counter()
+                if config is None:
+                    torch.manual_seed(0)
+                    model = AutoModelForCausalLM.from_config(
+                        module_config(donor_dir, view.adapter, target), dtype=torch.float32
+                    )
+                else:
+                    conversion = convert_model(
+                        view, target, plan, calibration, config, torch.device("cpu"), False
+                    )
+                    with tempfile.TemporaryDirectory() as tmp:
+                        view.adapter.save(conversion.view, Path(tmp), donor_dir, progress=False)
+                        model = load_fp32(Path(tmp))
+                seconds = time.perf_counter() - started
+                zero_shot = mean_token_loss(model, test).loss
+                continue_training(
+                    model,
+                    train,
+                    seed=0,
+                    steps=args.steps,
+                    lr=args.lr,
+                    warmup=args.steps // 10,
+                    progress=False,
+                )
+                trained = mean_token_loss(model, test).loss
+                rows[arm] = {"zero_shot": zero_shot, "trained": trained, "seconds": seconds}
+                print(
+                    f"  {axis:6s} {arm:30s} zero-shot {zero_shot:7.3f}  after {args.steps} "
+                    f"steps {trained:6.3f}  ({seconds:.1f} s)",
+                    flush=True,
+                )
+            results.setdefault(arch, {"donor": donor_loss})[axis] = {
+                "target": target.shape_summary(),
+                "rotary": plan.to_dict(),
+                "arms": rows,
+            }
+    print_table(results, args.steps)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def print_table(results: dict, steps: int) -> None:
+    for arch, per_axis in results.items():
+        axes = [axis for axis in per_axis if axis != "donor"]
+        print(
+            f"\n{arch} (donor test loss {per_axis['donor']:.3f}): zero-shot / after {steps} steps"
+        )
+        print("| arm | " + " | ".join(axes) + " |")
+        print("|---|" + "---|" * len(axes))
+        for arm in [SCRATCH, *ARMS]:
+            cells = [
+                f"{per_axis[a]['arms'][arm]['zero_shot']:.2f} / "
+                f"{per_axis[a]['arms'][arm]['trained']:.3f}"
+                for a in axes
+            ]
+            print(f"| {arm} | " + " | ".join(cells) + " |")
+
+
+def cost(args) -> None:
+    print("| donor | calibration | forward: s / peak MiB | conversion: s / peak MiB | ratio |")
+    print("|---|---|---|---|---|")
+    for arch in args.arch:
+        donor_dir = build_zoo_model(args.zoo, arch, **DONOR)
+        measured = {}
+        for what in ("forward", "convert"):
+            out = subprocess.run(
+                [sys.executable, __file__, "cost-worker", str(donor_dir), what],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            measured[what] = json.loads(out.stdout.strip().splitlines()[-1])
+        f, c = measured["forward"], measured["convert"]
+        print(
+            f"| {arch} | {CALIBRATION} × 128 | {f['seconds']:.2f} / {f['peak_mib']:.0f} | "
+            f"{c['seconds']:.2f} / {c['peak_mib']:.0f} | {c['seconds'] / f['seconds']:.2f}× time, "
+            f"{c['peak_mib'] / f['peak_mib']:.2f}× memory |",
+            flush=True,
+        )
+
+
+def cost_worker(donor_dir: str, what: str) -> None:
+    """One measurement in a fresh process: the time of the work (model loading excluded) and
+    the process's peak resident memory."""
+    donor_dir = Path(donor_dir)
+    view = open_model(donor_dir)
+    tokenizer = load_tokenizer([donor_dir])
+    calibration = load_split(DataConfig(), tokenizer, "train", CALIBRATION)
+    if what == "forward":
+        model = load_fp32(donor_dir)
+        started = time.perf_counter()
+        with torch.no_grad():
+            for batch in calibration.split(16):
+                model(input_ids=batch, use_cache=False)
+    else:
+        target, plan = resolve_target(view.spec, view.adapter, sizes_for("all", view.spec))
+        started = time.perf_counter()
+        convert_model(
+            view, target, plan, calibration, ConversionConfig(), torch.device("cpu"), False
+        )
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": seconds, "peak_mib": peak}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("table", "cost"):
+        p = sub.add_parser(name)
+        p.add_argument("--zoo", type=Path, default=default_cache_dir() / "zoo")
+        p.add_argument("--arch", nargs="+", default=["gpt_neox", "llama"])
+        if name == "table":
+            p.add_argument("--axes", nargs="+", default=list(AXES), choices=list(AXES))
+            p.add_argument("--steps", type=int, default=150, help="continued-training steps")
+            p.add_argument("--lr", type=float, default=2e-3, help="continued-training peak lr")
+            p.add_argument("--eval", type=int, default=256, help="test sequences")
+            p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    worker = sub.add_parser("cost-worker")
+    worker.add_argument("donor")
+    worker.add_argument("what", choices=["forward", "convert"])
+    args = parser.parse_args()
+    if args.command == "cost-worker":
+        cost_worker(args.donor, args.what)
+    else:
+        {"table": table, "cost": cost}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""Converting a donor into a smaller model of its family, layer by layer.
+
+1. Residual channels: ranked by the variance of the donor's residual stream over calibration
+   text (each layer boundary normalised to the same total, so every depth counts), one
+   selection for the whole stream.
+2. Layers: the donor's layers kept at an even stride; a kept layer also stands in for the
+   removed ones after it.
+3. Each kept layer's heads, head dims and MLP units by weight norm (:mod:`.selection`).
+4. Compensation: the projections that write to the residual stream without a norm in front
+   (attention output, MLP down) are refitted by ridge least squares so that the smaller
+   model's residual stream follows the donor's kept channels: features are what the smaller
+   model's projections read on its own (already converted) residual stream; targets are what
+   the donor added between this point and the next kept layer. Parallel-residual blocks fit
+   both projections jointly; sequential ones the attention output first, then the MLP down.
+5. Rescaling ``sqrt(n/n')`` by the shrink of each projection's input, on the attention output
+   and MLP down (``o_down``) or on every matrix (``all``), after compensation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from lmc_mergekit.models.adapters.base import CheckpointView
+from lmc_mergekit.models.block_runner import BlockRunner, embed
+from lmc_mergekit.models.view import Block, Embeddings, Head, InMemoryView, ModelSpec, Norm
+from lmc_mergekit.subclone.compensation import RidgeFit, RidgeSolution
+from lmc_mergekit.subclone.selection import Ranker, kept_layers, select_block, subclone_block
+from lmc_mergekit.subclone.target import RotaryPlan
+
+# Residual-channel variance is estimated on at most this many calibration sequences.
+VARIANCE_SEQUENCES = 64
+
+
+@dataclass(frozen=True)
+class ConversionConfig:
+    """How to convert: ``rescale`` is ``none``, ``o_down`` or ``all``; ``selection`` is
+    ``weight_norm`` or ``random``; ``ridge`` is λ relative to the mean feature energy."""
+
+    compensate: bool = True
+    rescale: str = "o_down"
+    selection: str = "weight_norm"
+    seed: int = 0
+    ridge: float = 0.01
+    batch_size: int = 16
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """The converted model and a JSON-ready record of what was kept and fitted."""
+
+    view: InMemoryView
+    record: dict
+
+
+def compensation_features(target: ModelSpec) -> int:
+    """The most features one compensation fit solves for (bias column included)."""
+    attention = target.num_heads * target.head_dim
+    if target.parallel_residual:
+        return attention + target.intermediate_size + 1
+    return max(attention, target.intermediate_size) + 1
+
+
+def convert_model(
+    donor_view: CheckpointView,
+    target: ModelSpec,
+    plan: RotaryPlan,
+    sequences: torch.Tensor,
+    config: ConversionConfig,
+    device: torch.device,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> Conversion:
+    """Convert ``donor_view`` to the shape ``target`` on calibration ``sequences``."""
+    started = time.perf_counter()
+    donor, adapter = donor_view.spec, donor_view.adapter
+    folder: Path = donor_view.folder
+    donor_runner = BlockRunner(folder, adapter, donor, device, trust_remote_code)
+    student_runner = BlockRunner(folder, adapter, target, device, trust_remote_code)
+    ranker = Ranker(config.selection, config.seed)
+    batches = sequences.split(config.batch_size)
+    emb = donor_view.embeddings()
+
+    channels = torch.arange(donor.hidden_size)
+    if target.hidden_size < donor.hidden_size:
+        scores = torch.zeros(donor.hidden_size)
+        if not ranker.random:
+            scores = _residual_variance(donor_view, donor_runner, emb, batches, progress)
+        channels = torch.tensor(ranker.top(scores, target.hidden_size))
+
+    layers = kept_layers(donor.num_layers, target.num_layers)
+    donor_states = [embed(emb, ids) for ids in batches]
+    student_states = [state[..., channels] for state in donor_states]
+    blocks, records = [], []
+    bar = tqdm(
+        total=donor.num_layers, desc=f"converting {folder.name}", unit="layer", disable=not progress
+    )
+    for position, first in enumerate(layers):
+        end = layers[position + 1] if position + 1 < len(layers) else donor.num_layers
+        block = donor_view.block(first)
+        donor_states, after_attention = _run_donor(
+            donor_view, donor_runner, block, range(first, end), donor_states, channels, bar
+        )
+        targets = [state[..., channels] for state in donor_states]
+        selection = select_block(block, donor, target, channels, plan, ranker)
+        small = subclone_block(block, donor, target, channels, selection)
+        fits = {}
+        if config.compensate:
+            small, fits = _compensate(
+                small, student_runner, student_states, after_attention, targets, config, device
+            )
+        student_states = [student_runner.run(small, x).output.cpu() for x in student_states]
+        blocks.append(small)
+        records.append(
+            {
+                "donor_layer": first,
+                "stands_in_for": list(range(first + 1, end)),
+                **selection.to_dict(),
+                "fits": fits,
+            }
+        )
+    bar.close()
+    final_error = _relative_error(student_states, [s[..., channels] for s in donor_states])
+
+    head = donor_view.head()
+    small_head = Head(
+        norm=Norm(
+            head.norm.weight[channels],
+            None if head.norm.bias is None else head.norm.bias[channels],
+        ),
+        weight=head.weight[:, channels],
+        bias=head.bias,
+    )
+    blocks, small_head = _rescale(blocks, small_head, donor, target, config.rescale)
+    positions = None
+    if emb.positions is not None:
+        positions = emb.positions[: target.learned_positions][:, channels]
+    view = InMemoryView(
+        spec=target,
+        embeddings_=Embeddings(tokens=emb.tokens[:, channels], positions=positions),
+        blocks=blocks,
+        head_=small_head,
+    )
+    record = {
+        "residual_channels": channels.tolist(),
+        "channels_ranked_by": "random" if ranker.random else "activation variance",
+        "kept_layers": layers,
+        "rotary": plan.to_dict(),
+        "layers": records,
+        "final_residual_error": final_error,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return Conversion(view=view, record=record)
+
+
+@torch.no_grad()
+def _residual_variance(view, runner, emb, batches, progress) -> torch.Tensor:
+    """Per-channel variance of the residual stream at every layer boundary, each boundary
+    normalised to mean 1, summed."""
+    states, total = [], 0
+    for ids in batches:
+        if total >= VARIANCE_SEQUENCES:
+            break
+        states.append(embed(emb, ids[: VARIANCE_SEQUENCES - total]))
+        total += len(states[-1])
+    score = _variance(states)
+    layers = range(view.spec.num_layers)
+    for index in tqdm(layers, desc="ranking residual channels", disable=not progress):
+        block = view.block(index)
+        states = [runner.run(block, x).output.cpu() for x in states]
+        score += _variance(states)
+    return score
+
+
+def _variance(states: list[torch.Tensor]) -> torch.Tensor:
+    flat = torch.cat([s.reshape(-1, s.shape[-1]) for s in states]).double()
+    variance = flat.var(dim=0)
+    return variance / variance.mean().clamp_min(1e-30)
+
+
+@torch.no_grad()
+def _run_donor(view, runner, first_block, layers, states, channels, bar):
+    """Run donor ``layers`` on ``states``; also return the kept channels of the stream after
+    the first layer's attention (the target for a sequential block's attention output)."""
+    after_attention = []
+    for index in layers:
+        block = first_block if index == layers[0] else view.block(index)
+        new_states = []
+        for state in states:
+            seen = runner.run(block, state)
+            new_states.append(seen.output.cpu())
+            if index == layers[0] and not view.spec.parallel_residual:
+                after_attention.append(
+                    seen.mlp_reads[..., channels.to(seen.mlp_reads.device)].cpu()
+                )
+        states = new_states
+        bar.update(1)
+    return states, after_attention
+
+
+@torch.no_grad()
+def _compensate(
+    block: Block,
+    runner: BlockRunner,
+    states: list[torch.Tensor],
+    after_attention: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    config: ConversionConfig,
+    device: torch.device,
+) -> tuple[Block, dict]:
+    """Refit the attention output and MLP down projections of ``block`` (see module doc)."""
+    attn, mlp = block.attn, block.mlp
+    dtype = attn.o.dtype
+    if runner.spec.parallel_residual:
+        # Both projections read the same stream: one joint fit; the attention bias stays.
+        attn_bias = 0 if attn.o_bias is None else attn.o_bias.to(device, torch.float32)
+        solution, record = _refit(
+            runner,
+            block,
+            states,
+            targets,
+            lambda seen, x: torch.cat([seen.attn_out_input, seen.mlp_out_input], -1),
+            lambda seen, x: x + attn_bias,
+            torch.cat([attn.o, mlp.down], 1),
+            mlp.down_bias,
+            config,
+            device,
+        )
+        o, down = solution.weight.to(dtype).cpu().split([attn.o.shape[1], mlp.down.shape[1]], 1)
+        block = replace(
+            block,
+            attn=replace(attn, o=o),
+            mlp=replace(mlp, down=down, down_bias=_bias(solution.bias, dtype)),
+        )
+        return block, {"joint": record}
+    solution, attn_record = _refit(
+        runner,
+        block,
+        states,
+        after_attention,
+        lambda seen, x: seen.attn_out_input,
+        lambda seen, x: x,
+        attn.o,
+        attn.o_bias,
+        config,
+        device,
+    )
+    o, o_bias = solution.weight.to(dtype).cpu(), _bias(solution.bias, dtype)
+    block = replace(block, attn=replace(attn, o=o, o_bias=o_bias))
+    solution, down_record = _refit(
+        runner,
+        block,
+        states,
+        targets,
+        lambda seen, x: seen.mlp_out_input,
+        lambda seen, x: seen.mlp_reads,
+        mlp.down,
+        mlp.down_bias,
+        config,
+        device,
+    )
+    down, down_bias = solution.weight.to(dtype).cpu(), _bias(solution.bias, dtype)
+    block = replace(block, mlp=replace(mlp, down=down, down_bias=down_bias))
+    return block, {"attn_out": attn_record, "mlp_down": down_record}
+
+
+def _refit(
+    runner: BlockRunner,
+    block: Block,
+    states: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    features: Callable,
+    baseline: Callable,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: ConversionConfig,
+    device: torch.device,
+) -> tuple[RidgeSolution, dict]:
+    """Run ``block`` on every batch and refit ``weight`` (and ``bias``) so that
+    ``features(seen, x)`` maps to ``target − baseline(seen, x)``."""
+    fit = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, device)
+    for state, target in zip(states, targets, strict=True):
+        seen = runner.run(block, state)
+        x = state.to(device, torch.float32)
+        fit.add(features(seen, x), target.to(device, torch.float32) - baseline(seen, x))
+    solution = fit.solve(config.ridge, weight.double(), None if bias is None else bias.double())
+    return solution, _fit_record(solution, fit)
+
+
+def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else bias.to(dtype).cpu()
+
+
+def _fit_record(solution: RidgeSolution, fit: RidgeFit) -> dict:
+    return {
+        "tokens": fit.rows,
+        "features": fit.gram.shape[0],
+        "relative_error_selected": round(solution.error_before, 6),
+        "relative_error_refit": round(solution.error_after, 6),
+    }
+
+
+def _relative_error(student: list[torch.Tensor], donor: list[torch.Tensor]) -> float:
+    """``‖student − donor‖² / ‖donor‖²`` over all calibration tokens."""
+    num = sum(float(((s - d).double() ** 2).sum()) for s, d in zip(student, donor, strict=True))
+    den = sum(float((d.double() ** 2).sum()) for d in donor)
+    return round(num / max(den, 1e-30), 6)
+
+
+def _rescale(blocks: list[Block], head: Head, donor: ModelSpec, target: ModelSpec, mode: str):
+    """Multiply projections by ``sqrt(n/n')`` for the shrink ``n → n'`` of their input."""
+    if mode == "none":
+        return blocks, head
+    attention = math.sqrt(donor.num_heads * donor.head_dim / (target.num_heads * target.head_dim))
+    units = math.sqrt(donor.intermediate_size / target.intermediate_size)
+    width = math.sqrt(donor.hidden_size / target.hidden_size) if mode == "all" else 1.0
+
+    def scaled(t, factor):
+        return None if t is None else t * factor
+
+    out = []
+    for block in blocks:
+        attn, mlp = block.attn, block.mlp
+        out.append(
+            replace(
+                block,
+                attn=replace(
+                    attn,
+                    q=attn.q * width,
+                    k=attn.k * width,
+                    v=attn.v * width,
+                    o=attn.o * attention,
+                ),
+                mlp=replace(
+                    mlp, up=mlp.up * width, gate=scaled(mlp.gate, width), down=mlp.down * units
+                ),
+            )
+        )
+    return out, replace(head, weight=head.weight * width)

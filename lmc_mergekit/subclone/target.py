@@ -1,0 +1,208 @@
+"""The shape a donor is converted to, checked against the donor, and the rotary pairs it keeps.
+
+Rotary embeddings rotate pair ``j`` of a head at frequency ``θ^(-2j/R)`` (``R`` rotary dims,
+base ``θ``). A smaller head keeps ``R'/2`` whole pairs; the target's pair ``i`` must turn at
+the target's frequency ``θ'^(-2i/R')``, so the kept donor pairs are ``j = i·s`` for a whole
+stride ``s`` with ``θ' = θ^(s·R'/R)``. Halving the head keeps every other pair at the same base;
+other ratios need another base, which the conversion then writes and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.adapters.base import Adapter
+from lmc_mergekit.models.view import ModelSpec
+
+# What a target config must share with its donor (converting changes sizes, nothing else).
+SAME_KIND = ("norm", "parallel_residual", "gated_mlp", "activation", "vocab_size")
+SIZES = (
+    ("hidden_size", "hidden_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"),
+    ("num_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("intermediate_size", "intermediate_size"),
+    ("rotary_dims", "rotary dims per head"),
+)
+
+
+@dataclass(frozen=True)
+class RotaryPlan:
+    """Donor rotary pairs kept, in target order, and the target's rotary base."""
+
+    pairs: tuple[int, ...]
+    theta: float
+    adjusted: bool
+
+    def to_dict(self) -> dict:
+        return {"kept_pairs": list(self.pairs), "rope_theta": self.theta, "adjusted": self.adjusted}
+
+
+def resolve_target(
+    donor: ModelSpec,
+    adapter: Adapter,
+    sizes: dict[str, int | None],
+    target_config: str | Path | None = None,
+    rope_type: str | None = None,
+) -> tuple[ModelSpec, RotaryPlan]:
+    """The target spec of ``donor`` and the rotary pairs it keeps, or a one-line error saying
+    which size cannot be met. The target is the config.json ``target_config``, or ``sizes``
+    (config.json names: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim``, ``intermediate_size``; None keeps the donor's)."""
+    if target_config is not None:
+        given = _target_from_config(Path(target_config), adapter, donor)
+        target, theta = given, given.rope_theta
+    else:
+        target, theta = _target_from_sizes(donor, adapter, sizes), None
+    _check_shrinks(donor, target)
+    plan = plan_rotary(donor, target.rotary_dims, theta)
+    if plan.pairs != tuple(range(donor.rotary_dims // 2)) and rope_type not in (None, "default"):
+        raise LmcError(
+            f"the donor's rotary embedding is of type {rope_type!r}, whose frequencies are not "
+            "θ^(-2j/R); only the default type can change head size"
+        )
+    return replace(target, rope_theta=plan.theta), plan
+
+
+def _target_from_sizes(donor: ModelSpec, adapter: Adapter, sizes: dict) -> ModelSpec:
+    hidden = sizes.get("hidden_size") or donor.hidden_size
+    heads = sizes.get("num_attention_heads") or donor.num_heads
+    if sizes.get("head_dim") is not None:
+        if adapter.head_dim_from_hidden:
+            raise LmcError(
+                f"{donor.architecture} derives the head size from hidden_size / "
+                "num_attention_heads; remove head_dim from subclone:"
+            )
+        head_dim = sizes["head_dim"]
+    elif hidden % heads:
+        raise LmcError(
+            f"target hidden_size {hidden} is not num_attention_heads {heads} × a whole head "
+            f"size; choose sizes with hidden_size = heads × head size (e.g. {heads} × "
+            f"{max(1, hidden // heads)} = {heads * max(1, hidden // heads)})"
+        )
+    else:
+        head_dim = hidden // heads
+    kv_heads = sizes.get("num_key_value_heads")
+    if kv_heads is None:
+        if donor.num_kv_heads == donor.num_heads:
+            kv_heads = heads
+        elif heads % donor.group_size == 0:
+            kv_heads = heads // donor.group_size
+        else:
+            raise LmcError(
+                f"{heads} query heads do not divide into the donor's groups of "
+                f"{donor.group_size}; set num_key_value_heads under subclone:"
+            )
+    # Keep the donor's rotary fraction.
+    rotary = donor.rotary_dims * head_dim / donor.head_dim
+    if rotary != int(rotary) or int(rotary) % 2:
+        raise LmcError(
+            f"a head of {head_dim} dims keeps {rotary:g} of the donor's rotary dims "
+            f"({donor.rotary_dims} of {donor.head_dim}), not a whole number of pairs; choose "
+            "another head size"
+        )
+    return replace(
+        donor,
+        hidden_size=hidden,
+        num_layers=sizes.get("num_hidden_layers") or donor.num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rotary_dims=int(rotary),
+        intermediate_size=sizes.get("intermediate_size") or donor.intermediate_size,
+    )
+
+
+def _target_from_config(path: Path, adapter: Adapter, donor: ModelSpec) -> ModelSpec:
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise LmcError(
+            f"target_config {str(path)!r} is no readable config.json; give the config of a "
+            "model of the target shape"
+        ) from None
+    model_type = raw.pop("model_type", None) if isinstance(raw, dict) else None
+    if model_type not in adapter.model_types:
+        raise LmcError(
+            f"target_config is a {model_type} model but the donor is {donor.architecture}; "
+            "convert within one family"
+        )
+    target = adapter.spec_from_config(AutoConfig.for_model(model_type, **raw))
+    for key in SAME_KIND:
+        if getattr(target, key) != getattr(donor, key):
+            raise LmcError(
+                f"target_config differs from the donor in {key} ({getattr(target, key)} vs "
+                f"{getattr(donor, key)}); only sizes can change"
+            )
+    return replace(
+        target,
+        architecture=donor.architecture,
+        norm_eps=donor.norm_eps,
+        tied_embeddings=donor.tied_embeddings,
+        learned_positions=min(target.learned_positions, donor.learned_positions),
+    )
+
+
+def _check_shrinks(donor: ModelSpec, target: ModelSpec) -> None:
+    for key, name in SIZES:
+        if getattr(target, key) > getattr(donor, key):
+            raise LmcError(
+                f"the target's {name} ({getattr(target, key)}) is larger than the donor's "
+                f"({getattr(donor, key)}); subclone_compensate only makes models smaller"
+            )
+    if target.num_heads % target.num_kv_heads:
+        raise LmcError(
+            f"num_attention_heads {target.num_heads} is not a multiple of num_key_value_heads "
+            f"{target.num_kv_heads}"
+        )
+    if target.group_size > donor.group_size:
+        raise LmcError(
+            f"the target shares each key/value head among {target.group_size} query heads, "
+            f"the donor among {donor.group_size}: key/value heads cannot be merged by "
+            f"selection; use num_key_value_heads >= {target.num_heads // donor.group_size}"
+        )
+    free, donor_free = target.head_dim - target.rotary_dims, donor.head_dim - donor.rotary_dims
+    if free > donor_free:
+        raise LmcError(
+            f"the target's heads have {free} non-rotary dims, the donor's only {donor_free}; "
+            "rotary dims cannot become non-rotary ones"
+        )
+
+
+def plan_rotary(donor: ModelSpec, rotary_dims: int, theta: float | None) -> RotaryPlan:
+    """The donor pairs whose frequencies the target's rotary pairs reproduce.
+
+    With ``theta`` None the donor's base is kept when the ratio of rotary dims allows it;
+    otherwise the base is chosen for the closest whole stride (``adjusted``).
+    """
+    have, want = donor.rotary_dims // 2, rotary_dims // 2
+    base = donor.rope_theta
+    if want <= 1:
+        return RotaryPlan(tuple(range(want)), base if theta is None else theta, False)
+    most = (have - 1) // (want - 1)
+    if theta is None:
+        stride = min(max(1, round(donor.rotary_dims / rotary_dims)), most)
+        if stride * rotary_dims == donor.rotary_dims:
+            return RotaryPlan(tuple(range(0, stride * want, stride)), base, False)
+        theta = base ** (stride * rotary_dims / donor.rotary_dims)
+        return RotaryPlan(tuple(range(0, stride * want, stride)), theta, True)
+    exact = donor.rotary_dims * math.log(theta) / (rotary_dims * math.log(base))
+    stride = round(exact)
+    if stride < 1 or abs(stride - exact) > 1e-6 or stride > most:
+        options = ", ".join(
+            f"{base ** (k * rotary_dims / donor.rotary_dims):.6g}" for k in range(1, most + 1)
+        )
+        raise LmcError(
+            f"no selection of the donor's rotary pairs (base {base:g}, {donor.rotary_dims} "
+            f"dims) turns at the target's frequencies (base {theta:g}, {rotary_dims} dims); "
+            f"a target base of {options} would work"
+        )
+    return RotaryPlan(tuple(range(0, stride * want, stride)), theta, False)
