@@ -8,8 +8,10 @@ The donors are zoo models of d=256, 4 layers, 8 heads of 32 dims (built when mis
 10 minutes each on two CPU cores). Axes: ``width`` (d 256→128 with 8 heads of 16 dims, MLP
 halved), ``heads`` (d 256→128 with 4 heads of 32 dims, MLP halved), ``depth`` (4→2 layers) and
 ``all`` (d 128, 2 layers, 4 heads, MLP halved). ``table``: the test loss of each arm zero-shot
-and after the same continued training (same data order, AdamW, learning rate and steps), next
-to a randomly initialised model of the target shape trained alike (from scratch). ``cost``: the
+and after ``--early`` and ``--steps`` steps of the same continued training (same data order,
+AdamW, learning rate and schedule), next to a randomly initialised model of the target shape
+trained alike (from scratch); the compensated arm of the first axis is trained a second time
+with another data order, for the run-to-run noise. ``cost``: the
 time and peak memory of one compensated conversion against one forward pass of the donor over
 the calibration set, each in its own process.
 """
@@ -17,6 +19,7 @@ the calibration set, each in its own process.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import subprocess
@@ -59,6 +62,8 @@ ARMS = {
     "compensated + rescale o/down": ConversionConfig(compensate=True, rescale="o_down"),
 }
 SCRATCH = "random init (from scratch)"
+# Trained a second time with another data order on the first axis: the run-to-run noise.
+NOISE_ARM = "compensated"
 CALIBRATION = 256
 
 
@@ -100,21 +105,21 @@ def table(args) -> None:
                         view.adapter.save(conversion.view, Path(tmp), donor_dir, progress=False)
                         model = load_fp32(Path(tmp))
                 seconds = time.perf_counter() - started
-                zero_shot = mean_token_loss(model, test).loss
-                continue_training(
-                    model,
-                    train,
-                    seed=0,
-                    steps=args.steps,
-                    lr=args.lr,
-                    warmup=args.steps // 10,
-                    progress=False,
-                )
-                trained = mean_token_loss(model, test).loss
-                rows[arm] = {"zero_shot": zero_shot, "trained": trained, "seconds": seconds}
+                row = {"seconds": seconds, 0: mean_token_loss(model, test).loss}
+                seeds = (0, 1) if arm == NOISE_ARM and axis == args.axes[0] else (0,)
+                for seed in seeds:
+                    trained = model if seed == seeds[-1] else copy.deepcopy(model)
+                    loss = train_and_measure(trained, train, test, args, seed)
+                    if seed == 0:
+                        row.update(loss)
+                    else:
+                        row["noise"] = loss[args.steps]
+                rows[arm] = row
                 print(
-                    f"  {axis:6s} {arm:30s} zero-shot {zero_shot:7.3f}  after {args.steps} "
-                    f"steps {trained:6.3f}  ({seconds:.1f} s)",
+                    f"  {axis:6s} {arm:30s} zero-shot {row[0]:7.3f}  after "
+                    f"{args.early} steps {row[args.early]:6.3f}  after {args.steps} steps "
+                    f"{row[args.steps]:6.3f}  ({seconds:.1f} s)"
+                    + (f"  data seed 1: {row['noise']:.3f}" if "noise" in row else ""),
                     flush=True,
                 )
             results.setdefault(arch, {"donor": donor_loss})[axis] = {
@@ -122,25 +127,47 @@ def table(args) -> None:
                 "rotary": plan.to_dict(),
                 "arms": rows,
             }
-    print_table(results, args.steps)
+    print_table(results, args)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
 
-def print_table(results: dict, steps: int) -> None:
+def train_and_measure(model, train, test, args, seed: int) -> dict[int, float]:
+    """Continue training ``model`` (data order ``seed``); its test loss after ``args.early``
+    and ``args.steps`` steps."""
+    losses = {}
+
+    def measure(step: int) -> None:
+        if step in (args.early, args.steps):
+            losses[step] = mean_token_loss(model, test).loss
+
+    continue_training(
+        model,
+        train,
+        seed=seed,
+        steps=args.steps,
+        lr=args.lr,
+        warmup=args.steps // 10,
+        progress=False,
+        after_step=measure,
+    )
+    return losses
+
+
+def print_table(results: dict, args) -> None:
     for arch, per_axis in results.items():
         axes = [axis for axis in per_axis if axis != "donor"]
         print(
-            f"\n{arch} (donor test loss {per_axis['donor']:.3f}): zero-shot / after {steps} steps"
+            f"\n{arch} (donor test loss {per_axis['donor']:.3f}): zero-shot / after "
+            f"{args.early} / after {args.steps} steps"
         )
         print("| arm | " + " | ".join(axes) + " |")
         print("|---|" + "---|" * len(axes))
         for arm in [SCRATCH, *ARMS]:
-            cells = [
-                f"{per_axis[a]['arms'][arm]['zero_shot']:.2f} / "
-                f"{per_axis[a]['arms'][arm]['trained']:.3f}"
-                for a in axes
-            ]
+            cells = []
+            for a in axes:
+                row = per_axis[a]["arms"][arm]
+                cells.append(f"{row[0]:.2f} / {row[args.early]:.3f} / {row[args.steps]:.3f}")
             print(f"| {arm} | " + " | ".join(cells) + " |")
 
 
@@ -201,6 +228,7 @@ def main() -> None:
         if name == "table":
             p.add_argument("--axes", nargs="+", default=list(AXES), choices=list(AXES))
             p.add_argument("--steps", type=int, default=150, help="continued-training steps")
+            p.add_argument("--early", type=int, default=30, help="also measured after this step")
             p.add_argument("--lr", type=float, default=2e-3, help="continued-training peak lr")
             p.add_argument("--eval", type=int, default=256, help="test sequences")
             p.add_argument("--out", type=Path, default=None, help="write the results as JSON")

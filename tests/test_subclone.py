@@ -141,6 +141,15 @@ def plant_dead_structure(folder: Path, out: Path, target, plan) -> Path:
     return out
 
 
+def convert_exactly(donor: Path, target, plan, out: Path):
+    """Convert ``donor`` without compensation or rescaling (random calibration ids) and save."""
+    view = open_model(donor)
+    ids = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(1))
+    conversion = convert_model(view, target, plan, ids, EXACT, CPU, progress=False)
+    view.adapter.save(conversion.view, out, donor, progress=False)
+    return conversion, out
+
+
 EXACT_CASES = {
     # variant: (sizes, donor overrides)
     "llama": ({"num_attention_heads": 2, "head_dim": 6, "intermediate_size": 40}, {}),
@@ -177,12 +186,7 @@ def test_dropping_dead_structure_keeps_the_function(tmp_path, variant):
     view = open_model(donor_dir)
     target, plan = resolve_target(view.spec, view.adapter, {**sizes, "num_hidden_layers": 2})
     dead = plant_dead_structure(donor_dir, tmp_path / "donor", target, plan)
-    view = open_model(dead)
-    ids = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(1))
-    conversion = convert_model(view, target, plan, ids, EXACT, CPU, progress=False)
-    out = tmp_path / "small"
-    view.adapter.save(conversion.view, out, dead, progress=False)
-
+    conversion, out = convert_exactly(dead, target, plan, tmp_path / "small")
     small = AutoModelForCausalLM.from_pretrained(out)
     assert small.num_parameters() < AutoModelForCausalLM.from_pretrained(dead).num_parameters()
     assert conversion.record["kept_layers"] == [0, 2]
@@ -220,11 +224,7 @@ def test_a_rotary_base_change_is_made_and_exact_when_the_pairs_need_it(tmp_path)
     assert plan.pairs == (0, 1, 2, 3) and plan.adjusted
     assert math.isclose(target.rope_theta, 10000 ** (8 / 12))
     dead = plant_dead_structure(donor_dir, tmp_path / "donor", target, plan)
-    view = open_model(dead)
-    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    conversion = convert_model(view, target, plan, ids, EXACT, CPU, progress=False)
-    out = tmp_path / "small"
-    view.adapter.save(conversion.view, out, dead, progress=False)
+    _, out = convert_exactly(dead, target, plan, tmp_path / "small")
     config = json.loads((out / "config.json").read_text())
     assert math.isclose(config["rope_parameters"]["rope_theta"], 10000 ** (8 / 12))
     probe = probe_ids()
@@ -376,6 +376,23 @@ def _config_file(tmp_path, donor: Path, **changes) -> str:
     path = tmp_path / "target.json"
     path.write_text(json.dumps(config))
     return str(path)
+
+
+def test_a_target_config_gives_the_shape(tmp_path):
+    donor = _llama_with_tokenizer(tmp_path)  # 6 query heads in 2 groups of 8 dims, MLP 80
+    target = _config_file(
+        tmp_path, donor, num_attention_heads=3, num_key_value_heads=1, intermediate_size=40
+    )
+    out = tmp_path / "out"
+    result = run_yaml(recipe_for(donor, target_config=target, evaluate=False), tmp_path, out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (3, 1)
+    assert (config["intermediate_size"], config["head_dim"], config["hidden_size"]) == (40, 8, 48)
+    report = json.loads((out / "subclone_report.json").read_text())
+    (layer, _) = report["donors"][0]["conversion"]["layers"]
+    assert len(layer["kv_heads"]) == 1 and len(layer["heads"]) == 3
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 1
 
 
 @pytest.mark.parametrize(

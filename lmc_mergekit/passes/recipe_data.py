@@ -11,16 +11,18 @@ from lmc_mergekit.errors import LmcError
 
 
 def load_recipe_split(
-    inputs: tuple[Path, ...], settings, split: str, most: int, fix: str
+    inputs: tuple[Path, ...], settings, split: str, most: int, fix: str | None = None
 ) -> tuple[torch.Tensor, dict]:
     """Up to ``most`` sequences of ``split`` of the section's ``data`` (``field``, ``seq_len``)
     through the inputs' shared tokenizer, and a JSON-ready description; ``fix`` is appended to
-    a missing-tokenizer error (how to do without this data)."""
+    a missing-tokenizer error (how to do without this data, where one can)."""
     from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(inputs)
     except LmcError as error:
+        if fix is None:
+            raise
         raise LmcError(f"{error} (or {fix})") from None
     config = DataConfig(source=settings.data, field=settings.field, seq_len=settings.seq_len)
     sequences = load_split(config, tokenizer, split, most)

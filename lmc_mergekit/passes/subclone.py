@@ -61,7 +61,6 @@ def run(ctx: PassContext) -> None:
         settings,
         "train",
         settings.calibration_sequences,
-        "give data: a text the tokenizer of the donors reads",
     )
     if settings.compensate:
         _check_enough_tokens(targets[0][0], calibration_data, settings)
@@ -99,7 +98,7 @@ def run(ctx: PassContext) -> None:
             max_shard_size=min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
             progress=progress,
         )
-        error = _check_written(view, conversion.view, out, calibration, device, ctx)
+        error = _check_written(view, conversion.view, out, calibration, ctx)
         entry = {
             "donor": str(view.folder),
             "donor_shape": view.spec.shape_summary(),
@@ -159,7 +158,7 @@ def _check_enough_tokens(target, data: dict, settings: SubcloneSettings) -> None
         )
 
 
-def _check_written(view, converted, out: Path, calibration, device, ctx) -> float:
+def _check_written(view, converted, out: Path, calibration, ctx) -> float:
     """Reload the written checkpoint through ``transformers``: it must compute the logits the
     conversion computed block by block (catches any config or layout mismatch)."""
     batch, length = PROBE

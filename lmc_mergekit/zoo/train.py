@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -99,6 +99,7 @@ def continue_training(
     warmup: int = DEFAULT_WARMUP,
     progress: bool = True,
     desc: str = "training",
+    after_step: Callable[[int], None] | None = None,
 ) -> dict:
     """Train ``model`` in place for ``steps`` AdamW steps on batches of the ``(n, length)``
     sequences ``train`` and leave it in eval mode; return a record of the run.
@@ -106,7 +107,8 @@ def continue_training(
     The batch order depends on ``seed`` alone, so models trained with one seed see the same
     data in the same order whatever their starting weights. The learning rate warms up
     linearly over ``warmup`` steps (at most a fifth of training), then decays along a cosine
-    to a tenth of ``lr``.
+    to a tenth of ``lr``. ``after_step(n)`` is called after the ``n``-th step (1-based), e.g.
+    to evaluate part-way.
     """
     warmup = max(0, min(warmup, steps // 5))
     device = next(model.parameters()).device
@@ -132,6 +134,9 @@ def continue_training(
         optimizer.zero_grad(set_to_none=True)
 
         value = loss.item()
+        if after_step is not None:
+            after_step(step + 1)
+            model.train()
         first_loss = value if first_loss is None else first_loss
         smoothed = SMOOTHING * smoothed + (1 - SMOOTHING) * value
         if step % 10 == 0 or step == steps - 1:
