@@ -7,6 +7,7 @@ into a smaller checkpoint that ``transformers`` loads and that computes the dono
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import replace
@@ -23,6 +24,9 @@ from transformers import AutoModelForCausalLM
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.adapters.base import rotary_factor
+from lmc_mergekit.models.adapters.gpt_neox import GPTNeoXAdapter
+from lmc_mergekit.models.adapters.llama import LlamaAdapter
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import ModelSpec, materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
@@ -82,10 +86,11 @@ def test_block_runner_reproduces_transformers(model_dirs, variant):
 
 
 def plant_dead_structure(folder: Path, out: Path, target, plan) -> Path:
-    """Save ``folder``'s model with everything the target drops set to zero: key/value groups
-    and query heads beyond the target's (the last ones), rotary pairs off the plan, non-rotary
-    and value dims beyond the target's head size, MLP units beyond its width, and the layers
-    the target skips (their blocks then add nothing to the residual stream)."""
+    """Save ``folder``'s model with everything the target drops set to zero: the first key/value
+    groups and query heads beyond the target's counts, rotary pairs off the plan, the first
+    non-rotary and value dims beyond the target's head size, the first MLP units beyond its
+    width (so what is kept does not sit at the same index), and the layers the target skips
+    (their blocks then add nothing to the residual stream)."""
     view = materialize(open_model(folder))
     donor = view.spec
     dh, half = donor.head_dim, donor.rotary_dims // 2
@@ -94,8 +99,8 @@ def plant_dead_structure(folder: Path, out: Path, target, plan) -> Path:
     dead_qk = [j for j in range(half) if j not in kept_pairs]
     dead_qk += [j + half for j in dead_qk]
     free = dh - donor.rotary_dims - (target.head_dim - target.rotary_dims)
-    dead_qk += list(range(dh - free, dh))
-    dead_vo = list(range(target.head_dim, dh))
+    dead_qk += list(range(donor.rotary_dims, donor.rotary_dims + free))
+    dead_vo = list(range(dh - target.head_dim))
     live_layers = set(kept_layers(donor.num_layers, target.num_layers))
 
     def zero_rows(t, rows):
@@ -112,14 +117,14 @@ def plant_dead_structure(folder: Path, out: Path, target, plan) -> Path:
         dead_heads = []
         for g in range(donor.num_kv_heads):
             heads = list(range(g * group, (g + 1) * group))
-            if g >= kv_kept:
+            if g < donor.num_kv_heads - kv_kept:
                 dead_heads += heads
                 zero_rows(a.k, [g * dh + t for t in range(dh)])
                 zero_rows(a.k_bias, [g * dh + t for t in range(dh)])
                 zero_rows(a.v, [g * dh + t for t in range(dh)])
                 zero_rows(a.v_bias, [g * dh + t for t in range(dh)])
             else:
-                dead_heads += heads[target.group_size :]
+                dead_heads += heads[: group - target.group_size]
                 zero_rows(a.k, [g * dh + t for t in dead_qk])
                 zero_rows(a.k_bias, [g * dh + t for t in dead_qk])
                 zero_rows(a.v, [g * dh + t for t in dead_vo])
@@ -130,7 +135,7 @@ def plant_dead_structure(folder: Path, out: Path, target, plan) -> Path:
             zero_rows(a.q_bias, [h * dh + t for t in dims])
             cols = range(dh) if h in dead_heads else dead_vo
             a.o[:, [h * dh + t for t in cols]] = 0
-        units = list(range(target.intermediate_size, donor.intermediate_size))
+        units = list(range(donor.intermediate_size - target.intermediate_size))
         zero_rows(m.up, units)
         zero_rows(m.gate, units)
         zero_rows(m.up_bias, units)
@@ -196,6 +201,51 @@ def test_dropping_dead_structure_keeps_the_function(tmp_path, variant):
     assert error < 1e-5, f"{variant}: relative logits error {error:.2e}"
 
 
+@pytest.mark.parametrize("variant", ["llama", "llama_gqa_tied"])
+def test_dropping_dead_residual_channels_is_exact_with_rescaling_everywhere(tmp_path, variant):
+    # With the other channels dead, RMSNorm over the d' live ones of d gives
+    # x/rms_S = (x/rms_d)·sqrt(d'/d): `rescale: all` undoes that factor on every reader
+    # (exactly up to the norm's eps, made negligible here).
+    donor_dir = build_model(variant, tmp_path / "raw", rms_norm_eps=1e-12)
+    view = materialize(open_model(donor_dir))
+    dead = list(range(0, 48, 2))  # every other channel
+    view.embeddings_.tokens[:, dead] = 0
+    for block in view.blocks:
+        block.attn.o[dead] = 0
+        block.mlp.down[dead] = 0
+    open_model(donor_dir).adapter.save(view, tmp_path / "donor", donor_dir, progress=False)
+    donor = open_model(tmp_path / "donor")
+    target, plan = resolve_target(
+        donor.spec, donor.adapter, {"hidden_size": 24, "head_dim": donor.spec.head_dim}
+    )
+    ids = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(1))
+    config = replace(EXACT, rescale="all")
+    conversion = convert_model(donor, target, plan, ids, config, CPU, progress=False)
+    assert conversion.record["residual_channels"] == list(range(1, 48, 2))
+    out = tmp_path / "small"
+    written = donor.adapter.save(conversion.view, out, donor.folder, progress=False)
+    assert written.tied_embeddings == donor.spec.tied_embeddings  # the tie survives rescaling
+    probe = probe_ids()
+    expected = logits(donor.folder, probe)
+    error = (logits(out, probe) - expected).abs().max() / expected.abs().max()
+    assert error < 1e-5, f"relative logits error {error:.2e}"
+
+
+def test_rescaling_multiplies_the_projections_by_the_shrink_of_their_input(model_dirs):
+    view = open_model(model_dirs["llama"])  # 4 heads of 12 dims, MLP 80
+    sizes = {"num_attention_heads": 2, "head_dim": 12, "intermediate_size": 20}
+    target, plan = resolve_target(view.spec, view.adapter, sizes)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    plain, scaled = (
+        convert_model(view, target, plan, ids, replace(EXACT, rescale=mode), CPU, False).view
+        for mode in ("none", "o_down")
+    )
+    for a, b in zip(plain.blocks, scaled.blocks, strict=True):
+        assert torch.allclose(b.attn.o, a.attn.o * math.sqrt(2))
+        assert torch.allclose(b.mlp.down, a.mlp.down * 2)
+        assert torch.equal(b.attn.q, a.attn.q) and torch.equal(b.mlp.up, a.mlp.up)
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2_gqa_bias_tied", "gpt2_tied"])
 def test_compensation_follows_the_donor_in_sequential_blocks(model_dirs, variant):
     view = open_model(model_dirs[variant])
@@ -204,7 +254,7 @@ def test_compensation_follows_the_donor_in_sequential_blocks(model_dirs, variant
     plain = convert_model(view, target, plan, ids, EXACT, CPU, progress=False).record
     config = replace(EXACT, compensate=True)
     compensated = convert_model(view, target, plan, ids, config, CPU, progress=False).record
-    assert compensated["final_residual_error"] < plain["final_residual_error"]
+    assert compensated["residual_error_before_rescale"] < plain["residual_error_before_rescale"]
     # Only MLP units were dropped: the first attention lost nothing and its refit stays exact.
     first = compensated["layers"][0]["fits"]["attn_out"]
     assert first["relative_error_selected"] < 1e-9 and first["relative_error_refit"] < 1e-9
@@ -261,6 +311,13 @@ def test_ridge_fit_recovers_a_linear_map_with_bias():
     assert torch.allclose(solution.weight.float(), weight, atol=1e-5)
     assert torch.allclose(solution.bias.float(), bias, atol=1e-5)
     assert solution.error_after < 1e-9 < solution.error_before
+    # A strong ridge keeps the given weights; the (unshrunk) bias takes the mean residual.
+    start = torch.randn(3, 5, generator=generator).double()
+    held = fit.solve(1e8, start)
+    assert torch.allclose(held.weight, start, atol=1e-5)
+    mean_x = fit.gram[-1, :5] / fit.rows  # the bias column's row of XᵀX: sums of the features
+    mean_y = fit.cross[-1] / fit.rows
+    assert torch.allclose(held.bias, mean_y - start @ mean_x, atol=1e-5)
 
 
 def test_residual_channels_follow_activation_variance(tmp_path):
@@ -335,8 +392,8 @@ def test_compensation_beats_plain_selection(shallower):
     compensated, plain = shallower[True], shallower[False]
     assert compensated["test_loss"]["converted"] < plain["test_loss"]["converted"]
     assert (
-        compensated["conversion"]["final_residual_error"]
-        < plain["conversion"]["final_residual_error"]
+        compensated["conversion"]["residual_error_before_rescale"]
+        < plain["conversion"]["residual_error_before_rescale"]
     )
     (layer,) = compensated["conversion"]["layers"]
     assert layer["donor_layer"] == 0 and layer["stands_in_for"] == [1]
@@ -445,8 +502,6 @@ def test_an_unsupported_donor_fails_in_one_line(tmp_path):
 def test_legacy_rotary_keys_are_rewritten_only_when_the_rotary_settings_change():
     from transformers import AutoConfig
 
-    from lmc_mergekit.models.adapters.gpt_neox import GPTNeoXAdapter
-
     adapter = GPTNeoXAdapter()
     raw = {
         "model_type": "gpt_neox",
@@ -470,3 +525,34 @@ def test_legacy_rotary_keys_are_rewritten_only_when_the_rotary_settings_change()
     loaded = AutoConfig.for_model(**rebased)
     assert loaded.rope_parameters["rope_theta"] == 100.0
     assert loaded.rope_parameters["partial_rotary_factor"] == 0.5
+
+    # transformers reads a legacy rope_scaling before rope_parameters: it must not survive.
+    llama = LlamaAdapter()
+    raw = {
+        "model_type": "llama",
+        "hidden_size": 48,
+        "num_attention_heads": 4,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "default"},
+    }
+    spec = llama.spec_from_config(AutoConfig.for_model(**copy.deepcopy(raw)))
+    rebased = llama.updated_config(raw, replace(spec, rope_theta=100.0))
+    assert raw["rope_scaling"] == {"rope_type": "default"}  # the input is left alone
+    assert AutoConfig.for_model(**rebased).rope_parameters["rope_theta"] == 100.0
+    # 30 rotary dims of 44: the plain ratio would make transformers compute 29.
+    assert int(44 * rotary_factor(30, 44)) == 30
+
+
+def test_unconvertible_layouts_are_refused(tmp_path):
+    gpt2 = build_model("gpt2_tied", tmp_path / "gpt2", scale_attn_by_inverse_layer_idx=True)
+    view = open_model(gpt2)
+    with pytest.raises(LmcError, match="scales attention by its layer index"):
+        BlockRunner(gpt2, view.adapter, view.spec, CPU)
+
+    donor = ModelSpec(
+        "llama", 5120, 40, 32, 8, 128, 128, 14336, 100, "rmsnorm", 1e-5, False, True, "silu", False
+    )
+    target, _ = resolve_target(donor, LlamaAdapter(), {"num_hidden_layers": 20})
+    assert target.head_dim == 128  # a head size not tied to the width is kept
+    with pytest.raises(LmcError, match="use num_key_value_heads >= 2, a divisor"):
+        resolve_target(donor, LlamaAdapter(), {"num_attention_heads": 6, "num_key_value_heads": 1})

@@ -21,6 +21,7 @@ from torch.func import functional_call
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import Adapter
+from lmc_mergekit.models.checkpoint import read_config
 from lmc_mergekit.models.functional import FunctionalModel
 from lmc_mergekit.models.view import Block, Embeddings, ModelSpec, ModelView
 
@@ -60,6 +61,9 @@ class BlockRunner(FunctionalModel):
                 f"the {spec.architecture} adapter names no block modules; layer-by-layer "
                 "conversion does not support this architecture"
             )
+        problem = adapter.blockwise_problem(read_config(folder))
+        if problem is not None:
+            raise LmcError(problem)
         one_layer = replace(spec, num_layers=1, tied_embeddings=False)
         super().__init__(folder, adapter, one_layer, device, trust_remote_code)
         modules = dict(self.module.named_modules())

@@ -135,6 +135,8 @@ def _check_same_target(views, targets) -> None:
     first = targets[0]
     for view, target in zip(views[1:], targets[1:], strict=True):
         mismatch = first.shape_mismatch(target)
+        if mismatch is None and target.rope_theta != first.rope_theta:
+            mismatch = ("rope_theta", first.rope_theta, target.rope_theta)
         if mismatch is not None:
             key, a, b = mismatch
             raise LmcError(

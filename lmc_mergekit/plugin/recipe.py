@@ -138,7 +138,7 @@ class SubcloneSettings(Section):
         "weight_norm", description="rank heads, dims and units by weight norm, or at random"
     )
     ridge: float = Field(
-        0.01, ge=0, description="ridge strength relative to the mean feature energy"
+        0.01, gt=0, description="ridge strength relative to the mean feature energy"
     )
     seed: int = Field(0, ge=0, description="seed of the random selection")
     calibration_sequences: int = Field(

@@ -153,7 +153,8 @@ def convert_model(
         "kept_layers": layers,
         "rotary": plan.to_dict(),
         "layers": records,
-        "final_residual_error": final_error,
+        "residual_error_before_rescale": final_error,
+        "rescale": config.rescale,
         "seconds": round(time.perf_counter() - started, 3),
     }
     return Conversion(view=view, record=record)
@@ -284,7 +285,9 @@ def _refit(
 ) -> tuple[RidgeSolution, dict]:
     """Run ``block`` on every batch and refit ``weight`` (and ``bias``) so that
     ``features(seen, x)`` maps to ``target − baseline(seen, x)``."""
-    fit = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, device)
+    # float64 Gram matrices: on a CUDA device, else on the CPU (MPS has no float64).
+    gram_device = device if device.type == "cuda" else torch.device("cpu")
+    fit = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, gram_device)
     for state, target in zip(states, targets, strict=True):
         seen = runner.run(block, state)
         x = state.to(device, torch.float32)
@@ -342,4 +345,10 @@ def _rescale(blocks: list[Block], head: Head, donor: ModelSpec, target: ModelSpe
                 ),
             )
         )
+    if donor.tied_embeddings:
+        # Scaling the final norm instead of the head gives the same logits and keeps the tie.
+        norm = replace(
+            head.norm, weight=head.norm.weight * width, bias=scaled(head.norm.bias, width)
+        )
+        return out, replace(head, norm=norm)
     return out, replace(head, weight=head.weight * width)

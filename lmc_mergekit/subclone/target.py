@@ -81,6 +81,8 @@ def _target_from_sizes(donor: ModelSpec, adapter: Adapter, sizes: dict) -> Model
                 "num_attention_heads; remove head_dim from subclone:"
             )
         head_dim = sizes["head_dim"]
+    elif not adapter.head_dim_from_hidden and donor.hidden_size != donor.num_heads * donor.head_dim:
+        head_dim = donor.head_dim  # the donor's head size is not tied to its width either
     elif hidden % heads:
         raise LmcError(
             f"target hidden_size {hidden} is not num_attention_heads {heads} × a whole head "
@@ -167,7 +169,8 @@ def _check_shrinks(donor: ModelSpec, target: ModelSpec) -> None:
         raise LmcError(
             f"the target shares each key/value head among {target.group_size} query heads, "
             f"the donor among {donor.group_size}: key/value heads cannot be merged by "
-            f"selection; use num_key_value_heads >= {target.num_heads // donor.group_size}"
+            f"selection; use num_key_value_heads >= {-(-target.num_heads // donor.group_size)}, "
+            "a divisor of num_attention_heads"
         )
     free, donor_free = target.head_dim - target.rotary_dims, donor.head_dim - donor.rotary_dims
     if free > donor_free:

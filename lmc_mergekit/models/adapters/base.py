@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 from abc import ABC, abstractmethod
 from dataclasses import replace
@@ -20,7 +22,14 @@ from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelVi
 # Prepared checkpoints are written in 1 GiB shards: the writer buffers one shard in memory.
 DEFAULT_SHARD_SIZE = 1024**3
 # Rotary settings as config.json stored them before transformers 5's ``rope_parameters``.
-LEGACY_ROPE_KEYS = ("rope_theta", "rotary_emb_base", "rotary_pct", "partial_rotary_factor")
+# (transformers 5 reads ``rope_scaling`` in preference to ``rope_parameters``, so it must go too.)
+LEGACY_ROPE_KEYS = (
+    "rope_theta",
+    "rotary_emb_base",
+    "rotary_pct",
+    "partial_rotary_factor",
+    "rope_scaling",
+)
 
 
 class Adapter(ABC):
@@ -87,18 +96,14 @@ class Adapter(ABC):
         kinds = raw.get("layer_types")
         if isinstance(kinds, list) and len(kinds) != spec.num_layers:
             if len(set(kinds)) > 1:
-                raise LmcError(
-                    f"the layers of this {spec.architecture} model use different attention "
-                    f"types ({', '.join(sorted(set(kinds)))}); changing its depth is not "
-                    "supported"
-                )
+                raise LmcError(self.blockwise_problem(raw))
             config["layer_types"] = kinds[:1] * spec.num_layers
         if not spec.rotary_dims:
             return config
         model_type = raw["model_type"]
-        kwargs = {key: value for key, value in raw.items() if key != "model_type"}
+        kwargs = {key: copy.deepcopy(value) for key, value in raw.items() if key != "model_type"}
         params = dict(AutoConfig.for_model(model_type, **kwargs).rope_parameters or {})
-        factor = spec.rotary_dims / spec.head_dim
+        factor = rotary_factor(spec.rotary_dims, spec.head_dim)
         old_factor = params.get("partial_rotary_factor", 1.0)
         if params.get("rope_theta") == spec.rope_theta and old_factor == factor:
             return config
@@ -109,6 +114,17 @@ class Adapter(ABC):
             params["partial_rotary_factor"] = factor
         config["rope_parameters"] = params
         return config
+
+    def blockwise_problem(self, raw: dict) -> str | None:
+        """Why blocks of the model with config.json ``raw`` cannot be run (or kept) one at a
+        time, as size conversion does; None when they can."""
+        kinds = raw.get("layer_types")
+        if isinstance(kinds, list) and len(set(kinds)) > 1:
+            return (
+                f"the layers of this {raw.get('model_type')} model use different attention types "
+                f"({', '.join(sorted(set(kinds)))}); they cannot be converted block by block"
+            )
+        return None
 
     def module_state(self, parts: tuple[Embeddings, list[Block], Head], spec: ModelSpec) -> dict:
         """The tensors of a model in canonical parts, named as the ``transformers`` module's
@@ -199,6 +215,15 @@ def load_config(folder: Path, trust_remote_code: bool = False) -> PretrainedConf
         raise LmcError(
             f"cannot read the config of {folder}: {str(error).splitlines()[0]}"
         ) from None
+
+
+def rotary_factor(rotary_dims: int, head_dim: int) -> float:
+    """The ``partial_rotary_factor`` from which transformers computes exactly ``rotary_dims``
+    (``int(head_dim · factor)``; the plain ratio can round down by one)."""
+    factor = rotary_dims / head_dim
+    while int(head_dim * factor) < rotary_dims:
+        factor = math.nextafter(factor, 2.0)
+    return factor
 
 
 def rope_theta(config: PretrainedConfig) -> float:

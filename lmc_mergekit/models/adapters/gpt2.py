@@ -29,7 +29,16 @@ class GPT2Adapter(Adapter):
         "n_layer": "num_layers",
         "n_head": "num_heads",
         "n_inner": "intermediate_size",
+        "n_positions": "learned_positions",
     }
+
+    def blockwise_problem(self, raw: dict) -> str | None:
+        if raw.get("scale_attn_by_inverse_layer_idx"):
+            return (
+                "this gpt2 model scales attention by its layer index "
+                "(scale_attn_by_inverse_layer_idx); it cannot be converted block by block"
+            )
+        return super().blockwise_problem(raw)
 
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
         d = config.n_embd
