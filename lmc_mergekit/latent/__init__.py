@@ -1,0 +1,1 @@
+"""Latent-space merging: weight tensors encoded by a transformer VAE (``ls_merge``)."""

@@ -1,0 +1,75 @@
+"""Weight tensors as sequences of fixed-size chunks, the tokens of the weight autoencoder.
+
+Each tensor is flattened, normalised by its own mean and standard deviation (so one model of
+the autoencoder serves tensors of very different scales, and the rare large weights stay large
+in normalised units instead of being clipped), zero-padded to a whole number of chunks and cut
+into ``(chunks, size)``. Every tensor is encoded and decoded on its own, named by its kind (the
+canonical view's field name, e.g. ``attn.q``) and its layer, never by a checkpoint key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lmc_mergekit.models.view import ModelView, iter_tensors
+
+# Layer index of tensors outside the blocks (embeddings, final norm, LM head).
+OUTSIDE_BLOCKS = -1
+
+
+@dataclass(frozen=True)
+class NamedTensor:
+    """One tensor of a model: its kind (canonical field name), layer and values."""
+
+    kind: str
+    layer: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Normalisation:
+    """What turns chunks back into the tensor: its shape and the statistics it was scaled by."""
+
+    shape: tuple[int, ...]
+    mean: float
+    std: float
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def to_chunks(tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, Normalisation]:
+    """``tensor`` normalised and cut into float32 ``(ceil(numel / size), size)`` chunks."""
+    flat = tensor.detach().reshape(-1).double()
+    mean = float(flat.mean())
+    std = float(flat.std()) if flat.numel() > 1 else 0.0
+    std = std if std > 0 else 1.0  # constant tensors (fresh norm gains) stay representable
+    scaled = ((flat - mean) / std).float()
+    count = max(1, math.ceil(flat.numel() / size))
+    padded = torch.zeros(count * size)
+    padded[: flat.numel()] = scaled
+    return padded.reshape(count, size), Normalisation(tuple(tensor.shape), mean, std)
+
+
+def from_chunks(chunks: torch.Tensor, norm: Normalisation) -> torch.Tensor:
+    """The tensor that :func:`to_chunks` cut into ``chunks`` (padding dropped, scale restored)."""
+    flat = chunks.reshape(-1)[: norm.numel].double() * norm.std + norm.mean
+    return flat.reshape(norm.shape)
+
+
+def model_tensors(view: ModelView) -> list[NamedTensor]:
+    """Every tensor of a model in canonical form, named by kind and layer."""
+    named = [
+        NamedTensor("embeddings." + name, OUTSIDE_BLOCKS, t)
+        for name, t in iter_tensors(view.embeddings())
+    ]
+    for index in range(view.spec.num_layers):
+        named += [NamedTensor(name, index, t) for name, t in iter_tensors(view.block(index))]
+    named += [
+        NamedTensor("head." + name, OUTSIDE_BLOCKS, t) for name, t in iter_tensors(view.head())
+    ]
+    return named

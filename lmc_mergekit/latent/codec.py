@@ -1,0 +1,60 @@
+"""Encoding one tensor into latents and decoding latents back into a tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmc_mergekit.latent.autoencoder import WeightAutoencoder, Windows
+from lmc_mergekit.latent.chunks import NamedTensor, Normalisation, from_chunks, to_chunks
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A tensor in latent space: posterior mean and log-variance per chunk ``(n, latent)``,
+    and what decoding needs to rebuild the tensor."""
+
+    kind: str
+    layer: int
+    mean: torch.Tensor
+    log_var: torch.Tensor
+    norm: Normalisation
+
+    def sample(self, generator: torch.Generator) -> torch.Tensor:
+        """One draw from the posterior, ``(n, latent)``."""
+        noise = torch.randn(self.mean.shape, generator=generator).to(self.mean)
+        return self.mean + noise * (0.5 * self.log_var).exp()
+
+
+@torch.no_grad()
+def encode_tensor(model: WeightAutoencoder, named: NamedTensor) -> EncodedTensor:
+    """The posterior of every chunk of ``named``."""
+    chunks, norm = to_chunks(named.tensor, model.config.chunk_size)
+    device = model.chunk_in.weight.device
+    windows = Windows.of(chunks.to(device), model.config.window)
+    kinds, layers = model.tags(named.kind, named.layer, windows.chunks.shape[0])
+    mean, log_var = model.encode(kinds, layers, windows)
+    return EncodedTensor(
+        named.kind, named.layer, windows.flatten(mean), windows.flatten(log_var), norm
+    )
+
+
+@torch.no_grad()
+def decode_tensor(
+    model: WeightAutoencoder, encoded: EncodedTensor, latents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The tensor decoded from ``latents`` (default: the posterior mean), float64 on the CPU."""
+    latents = encoded.mean if latents is None else latents
+    device = model.chunk_in.weight.device
+    windows = Windows.of(latents.to(device), model.config.window)
+    kinds, layers = model.tags(encoded.kind, encoded.layer, windows.chunks.shape[0])
+    chunks = model.decode(kinds, layers, windows.chunks, windows)
+    return from_chunks(windows.flatten(chunks).cpu(), encoded.norm)
+
+
+def relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:
+    """``‖decoded − original‖ / ‖original‖`` (0 for an all-zero original decoded as zero)."""
+    original = original.double()
+    scale = float(original.norm())
+    return float((decoded.double() - original).norm()) / max(scale, 1e-30)

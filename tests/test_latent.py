@@ -1,0 +1,130 @@
+"""The weight autoencoder of ls_merge: chunking, training, encoding and decoding one tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_model
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.latent.autoencoder import (
+    AutoencoderConfig,
+    WeightAutoencoder,
+    load_autoencoder,
+    save_autoencoder,
+)
+from lmc_mergekit.latent.chunks import NamedTensor, from_chunks, model_tensors, to_chunks
+from lmc_mergekit.latent.codec import decode_tensor, encode_tensor, relative_error
+from lmc_mergekit.latent.merging import gaussian_transport, posterior_average, weighted_latents
+from lmc_mergekit.latent.training import (
+    TrainingConfig,
+    autoencoder_config_for,
+    train_autoencoder,
+)
+from lmc_mergekit.models.adapters import open_model
+
+TINY = {"chunk_size": 16, "width": 32, "depth": 1, "heads": 2, "window": 8}
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (33,), (1,), (2, 3, 4)])
+def test_chunks_round_trip(shape):
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    chunks, norm = to_chunks(tensor, 16)
+    assert chunks.shape == (-(-tensor.numel() // 16), 16)
+    assert torch.allclose(from_chunks(chunks, norm).float(), tensor, atol=1e-5)
+    constant = torch.ones(shape)
+    assert torch.equal(from_chunks(*to_chunks(constant, 16)).float(), constant)
+
+
+@pytest.fixture(scope="module")
+def tensors(tmp_path_factory):
+    folder = build_model("llama", tmp_path_factory.mktemp("latent") / "llama")
+    return model_tensors(open_model(folder))
+
+
+@pytest.fixture(scope="module")
+def trained(tensors):
+    config = autoencoder_config_for(tensors, **TINY)
+    return train_autoencoder(tensors, config, TrainingConfig(steps=300, lr=3e-3), progress=False)
+
+
+def mean_error(model, tensors) -> float:
+    errors = [
+        relative_error(t.tensor, decode_tensor(model, encode_tensor(model, t))) for t in tensors
+    ]
+    return sum(errors) / len(errors)
+
+
+def test_model_tensors_are_named_by_kind_and_layer(tensors):
+    names = {(t.kind, t.layer) for t in tensors}
+    assert ("embeddings.tokens", -1) in names and ("head.weight", -1) in names
+    assert {("attn.q", 0), ("attn.q", 1), ("mlp.gate", 1), ("attn_norm.weight", 0)} <= names
+
+
+def test_training_learns_to_reconstruct_the_weights(tensors, trained):
+    model, record = trained
+    torch.manual_seed(0)
+    untrained = WeightAutoencoder(model.config).eval()
+    assert mean_error(model, tensors) < 0.6 * mean_error(untrained, tensors)
+    assert record["autoencoder_steps"] == 150 and record["final_kl"] > 0
+    assert record["chunks"] == sum(-(-t.tensor.numel() // 16) for t in tensors)
+    assert model.config.latent_dim == 10  # 16 / 1.6
+
+
+def test_one_tensor_encodes_and_decodes_alone_and_the_model_saves(tensors, trained, tmp_path):
+    model, _ = trained
+    named = next(t for t in tensors if t.kind == "mlp.down" and t.layer == 1)
+    encoded = encode_tensor(model, named)
+    assert encoded.mean.shape == (-(-named.tensor.numel() // 16), 10)
+    decoded = decode_tensor(model, encoded)
+    assert decoded.shape == named.tensor.shape
+    sample = encoded.sample(torch.Generator().manual_seed(0))
+    assert not torch.equal(sample, encoded.mean)
+    assert decode_tensor(model, encoded, sample).shape == named.tensor.shape
+
+    save_autoencoder(model, tmp_path / "ae.safetensors")
+    loaded = load_autoencoder(tmp_path / "ae.safetensors")
+    assert loaded.config == model.config
+    assert torch.equal(decode_tensor(loaded, encode_tensor(loaded, named)), decoded)
+
+
+def test_tensors_the_autoencoder_cannot_encode_are_refused(trained):
+    model, _ = trained
+    with pytest.raises(LmcError, match=r"not trained on tensors of kind 'attn\.qq'"):
+        encode_tensor(model, NamedTensor("attn.qq", 0, torch.zeros(4, 4)))
+    with pytest.raises(LmcError, match="knows layers 0-1, not layer 5"):
+        encode_tensor(model, NamedTensor("attn.q", 5, torch.zeros(4, 4)))
+    with pytest.raises(LmcError, match=r"compression ratio 0\.5 is outside"):
+        AutoencoderConfig(kinds=("a",), layers=1, compression_ratio=0.5)
+
+
+def test_weighted_latents_and_posterior_average(trained, tensors):
+    a, b = torch.ones(3, 2), torch.zeros(3, 2)
+    assert torch.allclose(weighted_latents([a, b], [3.0, 1.0]), torch.full((3, 2), 0.75))
+    with pytest.raises(LmcError, match="different shapes"):
+        weighted_latents([a, torch.zeros(2, 2)], [1.0, 1.0])
+    model, _ = trained
+    encoded = encode_tensor(model, tensors[0])
+    many = posterior_average(encoded, 400, torch.Generator().manual_seed(0))
+    one = posterior_average(encoded, 1, torch.Generator().manual_seed(0))
+    # Averaging samples converges to the posterior mean.
+    assert (many - encoded.mean).norm() < 0.2 * (one - encoded.mean).norm()
+
+
+def test_gaussian_transport_moves_one_distribution_onto_the_other():
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randn(4000, 3, generator=generator) @ torch.tensor(
+        [[2.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.0, 0.3, 0.2]]
+    ) + torch.tensor([1.0, -2.0, 0.5])
+    target = torch.randn(3000, 3, generator=generator) * torch.tensor([0.5, 3.0, 1.0]) - 1.0
+    transport = gaussian_transport(source, target, shrinkage=0.0)
+    moved = transport(source).double()
+    assert torch.allclose(moved.mean(0), target.double().mean(0), atol=1e-6)
+    assert torch.allclose(torch.cov(moved.T), torch.cov(target.double().T), atol=1e-6)
+    # The map is symmetric positive definite (the Brenier map of two Gaussians).
+    assert torch.allclose(transport.matrix, transport.matrix.T, atol=1e-10)
+    assert torch.linalg.eigvalsh(transport.matrix).min() > 0
+    identity = gaussian_transport(target, target, shrinkage=0.3)
+    assert torch.allclose(identity.matrix, torch.eye(3, dtype=torch.float64), atol=1e-8)
+    with pytest.raises(LmcError, match="common dimension"):
+        gaussian_transport(source, target[:, :2])
