@@ -62,7 +62,17 @@ def logits_error(source: Path, candidate: Path, trust_remote_code: bool = False)
     expected = reference(ids).logits
     del reference
     actual = load_fp32(candidate, trust_remote_code)(ids).logits
+    return relative_logits_error(actual, expected)
+
+
+def relative_logits_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max|Δlogits| / max(1, max|logits|)``, the self-check's measure."""
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0))
+
+
+def tolerance_for(folder: Path) -> float:
+    """The self-check tolerance for the storage dtype of the checkpoint in ``folder``."""
+    return TOLERANCES.get(storage_dtype(folder), 1e-4)
 
 
 def storage_dtype(folder: Path) -> torch.dtype:
@@ -81,7 +91,7 @@ def check_same_function(
 ) -> float:
     """Raise unless ``candidate`` reproduces ``source``'s logits; return the measured error."""
     if tolerance is None:
-        tolerance = TOLERANCES.get(storage_dtype(candidate), 1e-4)
+        tolerance = tolerance_for(candidate)
     error = logits_error(source, candidate, trust_remote_code)
     if not error <= tolerance:
         raise LmcError(

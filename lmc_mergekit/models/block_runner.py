@@ -12,6 +12,7 @@ family, without a second implementation of attention, rotary embeddings or norms
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -92,9 +93,13 @@ class BlockRunner(FunctionalModel):
         self._seen["output"] = output[0] if isinstance(output, tuple) else output
         raise _Stop
 
-    @torch.no_grad()
     def run(self, block: Block, residual: torch.Tensor) -> BlockActivations:
         """Run ``block`` on the residual stream ``residual`` ``(batch, length, hidden)``."""
+        return next(self.each(block, [residual]))
+
+    @torch.no_grad()
+    def each(self, block: Block, residuals: Iterable[torch.Tensor]) -> Iterator[BlockActivations]:
+        """Run ``block`` on each of ``residuals`` in turn (its weights laid out once)."""
         tensors = self.adapter.block_tensors(block, self.spec, 0)
         state = {
             self.adapter.module_names.get(k, k): t.to(self.device, torch.float32)
@@ -102,26 +107,27 @@ class BlockRunner(FunctionalModel):
         }
         if self._positions is not None:
             state.update(self._positions)
-        self._seen.clear()
-        try:
-            functional_call(
-                self.module,
-                state,
-                args=(),
-                kwargs={
-                    "inputs_embeds": residual.to(self.device, torch.float32),
-                    "use_cache": False,
-                },
+        for residual in residuals:
+            self._seen.clear()
+            try:
+                functional_call(
+                    self.module,
+                    state,
+                    args=(),
+                    kwargs={
+                        "inputs_embeds": residual.to(self.device, torch.float32),
+                        "use_cache": False,
+                    },
+                )
+            except _Stop:
+                pass
+            seen = self._seen
+            yield BlockActivations(
+                output=seen["output"],
+                mlp_reads=seen["mlp_norm"],
+                attn_out_input=seen["attn_out"],
+                mlp_out_input=seen["mlp_out"],
             )
-        except _Stop:
-            pass
-        seen = self._seen
-        return BlockActivations(
-            output=seen["output"],
-            mlp_reads=seen["mlp_norm"],
-            attn_out_input=seen["attn_out"],
-            mlp_out_input=seen["mlp_out"],
-        )
 
     @torch.no_grad()
     def logits(self, view: ModelView, input_ids: torch.Tensor) -> torch.Tensor:

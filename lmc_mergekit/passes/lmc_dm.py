@@ -248,13 +248,7 @@ def _load_split(
 ) -> tuple[torch.Tensor, dict]:
     """Test sequences for evaluation, or train sequences for learned matching."""
     if split == "test":
-        return load_recipe_split(
-            inputs,
-            settings,
-            split,
-            settings.eval_sequences,
-            "set 'evaluate: false' under alignment:",
-        )
+        return load_recipe_split(inputs, settings, split, settings.eval_sequences, EVALUATE_FIX)
     return load_recipe_split(
         inputs, settings, split, settings.calibration_sequences, "use steps: 0"
     )

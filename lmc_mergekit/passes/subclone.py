@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.evaluation.selfcheck import TOLERANCES, load_fp32, storage_dtype
+from lmc_mergekit.evaluation.selfcheck import load_fp32, relative_logits_error, tolerance_for
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE, load_config
 from lmc_mergekit.models.block_runner import BlockRunner
@@ -175,8 +175,8 @@ def _check_written(view, converted, out: Path, calibration, ctx) -> float:
     expected = runner.logits(converted, ids)
     with torch.no_grad():
         actual = load_fp32(out, ctx.options.trust_remote_code)(ids).logits
-    error = float((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0))
-    tolerance = TOLERANCES.get(storage_dtype(out), 1e-4)
+    error = relative_logits_error(actual, expected)
+    tolerance = tolerance_for(out)
     if not error <= tolerance:
         raise LmcError(
             f"self-check failed: the written {out.name} computes logits {error:.2e} (relative) "

@@ -29,9 +29,15 @@ from tqdm.auto import tqdm
 
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner, embed
-from lmc_mergekit.models.view import Block, Embeddings, Head, InMemoryView, ModelSpec, Norm
+from lmc_mergekit.models.view import Block, Embeddings, Head, InMemoryView, ModelSpec
 from lmc_mergekit.subclone.compensation import RidgeFit, RidgeSolution
-from lmc_mergekit.subclone.selection import Ranker, kept_layers, select_block, subclone_block
+from lmc_mergekit.subclone.selection import (
+    Ranker,
+    kept_layers,
+    select_block,
+    select_norm,
+    subclone_block,
+)
 from lmc_mergekit.subclone.target import RotaryPlan
 
 # Residual-channel variance is estimated on at most this many calibration sequences.
@@ -115,7 +121,7 @@ def convert_model(
             small, fits = _compensate(
                 small, student_runner, student_states, after_attention, targets, config, device
             )
-        student_states = [student_runner.run(small, x).output.cpu() for x in student_states]
+        student_states = [seen.output.cpu() for seen in student_runner.each(small, student_states)]
         blocks.append(small)
         records.append(
             {
@@ -126,16 +132,12 @@ def convert_model(
             }
         )
     bar.close()
-    final_error = _relative_error(student_states, [s[..., channels] for s in donor_states])
+    # ``targets`` now holds the kept channels of the donor's final residual stream.
+    final_error = _relative_error(student_states, targets)
 
     head = donor_view.head()
     small_head = Head(
-        norm=Norm(
-            head.norm.weight[channels],
-            None if head.norm.bias is None else head.norm.bias[channels],
-        ),
-        weight=head.weight[:, channels],
-        bias=head.bias,
+        norm=select_norm(head.norm, channels), weight=head.weight[:, channels], bias=head.bias
     )
     blocks, small_head = _rescale(blocks, small_head, donor, target, config.rescale)
     positions = None
@@ -174,7 +176,7 @@ def _residual_variance(view, runner, emb, batches, progress) -> torch.Tensor:
     layers = range(view.spec.num_layers)
     for index in tqdm(layers, desc="ranking residual channels", disable=not progress):
         block = view.block(index)
-        states = [runner.run(block, x).output.cpu() for x in states]
+        states = [seen.output.cpu() for seen in runner.each(block, states)]
         score += _variance(states)
     return score
 
@@ -193,8 +195,7 @@ def _run_donor(view, runner, first_block, layers, states, channels, bar):
     for index in layers:
         block = first_block if index == layers[0] else view.block(index)
         new_states = []
-        for state in states:
-            seen = runner.run(block, state)
+        for seen in runner.each(block, states):
             new_states.append(seen.output.cpu())
             if index == layers[0] and not view.spec.parallel_residual:
                 after_attention.append(
@@ -288,8 +289,7 @@ def _refit(
     # float64 Gram matrices: on a CUDA device, else on the CPU (MPS has no float64).
     gram_device = device if device.type == "cuda" else torch.device("cpu")
     fit = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, gram_device)
-    for state, target in zip(states, targets, strict=True):
-        seen = runner.run(block, state)
+    for state, target, seen in zip(states, targets, runner.each(block, states), strict=True):
         x = state.to(device, torch.float32)
         fit.add(features(seen, x), target.to(device, torch.float32) - baseline(seen, x))
     solution = fit.solve(config.ridge, weight.double(), None if bias is None else bias.double())

@@ -143,7 +143,7 @@ def subclone_block(
         return tensor if cols is None else tensor[:, cols]
 
     return Block(
-        attn_norm=_norm(block.attn_norm, channels),
+        attn_norm=select_norm(block.attn_norm, channels),
         attn=Attention(
             q=pick(attn.q, q_rows, channels) * q_scale,
             k=pick(attn.k, k_rows, channels),
@@ -154,7 +154,7 @@ def subclone_block(
             v_bias=pick(attn.v_bias, v_rows),
             o_bias=pick(attn.o_bias, channels),
         ),
-        mlp_norm=_norm(block.mlp_norm, channels),
+        mlp_norm=select_norm(block.mlp_norm, channels),
         mlp=MLP(
             up=pick(mlp.up, units, channels),
             down=pick(mlp.down, channels, units),
@@ -166,5 +166,6 @@ def subclone_block(
     )
 
 
-def _norm(norm: Norm, channels: torch.Tensor) -> Norm:
+def select_norm(norm: Norm, channels: torch.Tensor) -> Norm:
+    """The norm over ``channels`` only: its gains and biases selected with them."""
     return Norm(norm.weight[channels], None if norm.bias is None else norm.bias[channels])
