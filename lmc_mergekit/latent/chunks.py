@@ -14,10 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmc_mergekit.models.layout import OUTSIDE_BLOCKS
 from lmc_mergekit.models.view import ModelView, iter_tensors
-
-# Layer index of tensors outside the blocks (embeddings, final norm, LM head).
-OUTSIDE_BLOCKS = -1
 
 
 @dataclass(frozen=True)

@@ -40,17 +40,25 @@ def encode_tensor(model: WeightAutoencoder, named: NamedTensor) -> EncodedTensor
     )
 
 
-@torch.no_grad()
 def decode_tensor(
     model: WeightAutoencoder, encoded: EncodedTensor, latents: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The tensor decoded from ``latents`` (default: the posterior mean), float64 on the CPU."""
     latents = encoded.mean if latents is None else latents
+    return decode_latents(model, encoded.kind, encoded.layer, latents, encoded.norm)
+
+
+@torch.no_grad()
+def decode_latents(
+    model: WeightAutoencoder, kind: str, layer: int, latents: torch.Tensor, norm: Normalisation
+) -> torch.Tensor:
+    """The tensor of ``kind`` and ``layer`` decoded from per-chunk ``latents`` ``(n, latent)``
+    and rescaled by ``norm``, float64 on the CPU."""
     device = model.chunk_in.weight.device
-    windows = Windows.of(latents.to(device), model.config.window)
-    kinds, layers = model.tags(encoded.kind, encoded.layer, windows.chunks.shape[0])
+    windows = Windows.of(latents.float().to(device), model.config.window)
+    kinds, layers = model.tags(kind, layer, windows.chunks.shape[0])
     chunks = model.decode(kinds, layers, windows.chunks, windows)
-    return from_chunks(windows.flatten(chunks).cpu(), encoded.norm)
+    return from_chunks(windows.flatten(chunks).cpu(), norm)
 
 
 def relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +50,13 @@ def train_autoencoder(
     training: TrainingConfig,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    checkpoint: Path | None = None,
+    checkpoint_every: int = 200,
 ) -> tuple[WeightAutoencoder, dict]:
     """Train an autoencoder of ``config`` on every window of every tensor in ``tensors``;
-    return it (in eval mode) and a record of the run (losses per stage, wall time)."""
+    return it (in eval mode) and a record of the run (losses per stage, wall time,
+    throughput). With ``checkpoint``, the state is saved there every ``checkpoint_every``
+    steps and an interrupted run resumes from it (the file is removed at the end)."""
     if not tensors:
         raise LmcError("no tensors to train the weight autoencoder on")
     torch.manual_seed(training.seed)
@@ -64,8 +69,27 @@ def train_autoencoder(
         optimizer, lambda step: _lr_factor(step, warmup, training.steps)
     )
     first_stage = round(training.autoencoder_fraction * training.steps)
-    history, started = [], time.perf_counter()
-    bar = tqdm(range(training.steps), desc="training the weight autoencoder", disable=not progress)
+    history, started, start = [], time.perf_counter(), 0
+    identity = {"config": config.to_json(), "training": asdict(training)}
+    state = None
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        if state.get("identity") != identity:
+            state = None  # a checkpoint of another run: start afresh
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        generator.set_state(state["generator"])
+        torch.set_rng_state(state["rng"])
+        history, start = state["history"], state["step"]
+    bar = tqdm(
+        range(start, training.steps),
+        desc="training the weight autoencoder",
+        disable=not progress,
+        initial=start,
+        total=training.steps,
+    )
     for step in bar:
         variational = step >= first_stage
         picks = torch.randint(len(kinds), (training.batch_size,), generator=generator)
@@ -82,6 +106,12 @@ def train_autoencoder(
         history.append((reconstruction.item(), kl.item()))
         if step % 10 == 0 or step == training.steps - 1:
             bar.set_postfix(huber=f"{history[-1][0]:.4f}", kl=f"{history[-1][1]:.2f}")
+        if checkpoint is not None and (step + 1) % checkpoint_every == 0:
+            _save_state(
+                checkpoint, identity, model, optimizer, schedule, generator, history, step + 1
+            )
+    seconds = time.perf_counter() - started
+    chunks_per_window = float(bank.valid.sum()) / len(kinds)
     model.eval()
     record = {
         "steps": training.steps,
@@ -92,9 +122,35 @@ def train_autoencoder(
         "final_huber": _mean_tail([h for h, _ in history]),
         "final_kl": _mean_tail([k for _, k in history]),
         "huber_at_stage_change": _mean_tail([h for h, _ in history[:first_stage]]),
-        "seconds": round(time.perf_counter() - started, 3),
+        "seconds": round(seconds, 3),
+        "chunks_per_second": round(
+            (training.steps - start) * training.batch_size * chunks_per_window / seconds, 1
+        ),
+        "resumed_at": start,
     }
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
     return model, record
+
+
+def _save_state(
+    path: Path, identity, model, optimizer, schedule, generator, history, step: int
+) -> None:
+    """Write the training state atomically (an interrupted write leaves the last one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "identity": identity,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "generator": generator.get_state(),
+        "rng": torch.get_rng_state(),
+        "history": history,
+        "step": step,
+    }
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    partial.replace(path)
 
 
 def _window_bank(model, tensors, device) -> tuple[Windows, torch.Tensor, torch.Tensor]:

@@ -131,13 +131,18 @@ class Head:
 
 def map_tensors(part, fn):
     """A copy of a view part with ``fn`` applied to every tensor in it (None stays None)."""
+    return map_named_tensors(part, lambda _, tensor: fn(tensor))
+
+
+def map_named_tensors(part, fn, prefix: str = ""):
+    """A copy of a view part with ``fn(dotted field name, tensor)`` applied to every tensor."""
     changes = {}
     for f in fields(part):
         value = getattr(part, f.name)
         if isinstance(value, torch.Tensor):
-            changes[f.name] = fn(value)
+            changes[f.name] = fn(prefix + f.name, value)
         elif value is not None and hasattr(value, "__dataclass_fields__"):
-            changes[f.name] = map_tensors(value, fn)
+            changes[f.name] = map_named_tensors(value, fn, prefix + f.name + ".")
     return replace(part, **changes)
 
 

@@ -18,7 +18,13 @@ PASSES: dict[str, PreMergePass] = {
         "function; it was reloaded through transformers and checked to compute the logits "
         "the conversion computed.",
     ),
-    "ls_merge": PreMergePass(run=ls_merge.run),
+    "ls_merge": PreMergePass(
+        run=ls_merge.run,
+        finish=ls_merge.finish,
+        checked="Each prepared checkpoint is its input encoded and decoded by the weight "
+        "autoencoder, a lossy step (its test loss is in the report); every checkpoint tensor "
+        "was checked to be rebuilt exactly from the canonical pieces the latents encode.",
+    ),
 }
 
 __all__ = ["PASSES", "FinishContext", "PassContext", "PreMergePass"]

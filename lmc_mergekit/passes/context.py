@@ -31,8 +31,9 @@ def pass_device(options: MergeOptions):
 class PassContext:
     """What a pass gets: inputs (recipe order), where to write each, settings, mergekit options,
     a folder for its report (copied next to the merged model), a folder for resumable state
-    that survives an interrupted run (removed once the pass succeeds), and the processes of a
-    distributed run (only the main one writes outputs)."""
+    that survives an interrupted run (removed once the pass succeeds), the method's cache
+    folder (for artefacts that recipes over the same models share), the recipe's base model,
+    and the processes of a distributed run (only the main one writes outputs)."""
 
     method: str
     inputs: tuple[Path, ...]
@@ -41,6 +42,8 @@ class PassContext:
     options: MergeOptions
     report_dir: Path
     state_dir: Path
+    cache_dir: Path
+    base_model: Path | None = None
     processes: Processes = field(default_factory=Processes)
 
     def open_inputs(self) -> list[CheckpointView]:
@@ -65,12 +68,15 @@ class PassContext:
 
 @dataclass(frozen=True)
 class FinishContext:
-    """What a pass's finishing step gets once mergekit has written the merged model."""
+    """What a pass's finishing step gets once mergekit has written the merged model: its
+    folder, the recipe, the original inputs, mergekit's options and the prepared checkpoint
+    of every input (keyed by the input's path)."""
 
     folder: Path
     recipe: Recipe
     inputs: tuple[Path, ...]
     options: MergeOptions
+    prepared: dict[str, Path] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -53,31 +53,42 @@ def write_provenance(folder: Path, method: str, details: dict[str, Any]) -> None
         json.dump({"method": method, **details}, fp, indent=2, sort_keys=True)
 
 
+def _spec(name: str, *extra: ParameterSpec) -> MergeMethodSpec:
+    pretty, url = METHODS[name]
+    return MergeMethodSpec(
+        name=name,
+        parameters=(
+            ParameterSpec("weight", float, ParameterScope.INPUT, default=1.0),
+            ParameterSpec("normalize", bool, ParameterScope.SHARED, default=True),
+            *extra,
+        ),
+        contract=InputContract(min_inputs=1),
+        pretty_name=pretty,
+        reference_url=url,
+    )
+
+
 class PreparedInputMerge(GroupMergeMethod):
     """Weighted average of prepared inputs, per tensor, with mergekit's own ``linear`` kernel."""
 
-    def __init__(self, name: str, pretty_name: str, reference_url: str):
-        self.spec = MergeMethodSpec(
-            name=name,
-            parameters=(
-                ParameterSpec("weight", float, ParameterScope.INPUT, default=1.0),
-                ParameterSpec("normalize", bool, ParameterScope.SHARED, default=True),
-            ),
-            contract=InputContract(min_inputs=1),
-            pretty_name=pretty_name,
-            reference_url=reference_url,
-        )
+    def __init__(self, name: str):
+        self.spec = _spec(name)
 
-    def merge_group(
-        self, group: TensorGroup, /, weight: PerInputValues, normalize: bool
-    ) -> torch.Tensor:
-        for entry in group.entries:
-            path = entry.id.model.path
+    def check_prepared(self, group: TensorGroup) -> list[str]:
+        """The input folders, refused unless this method's pre-merge pass wrote them."""
+        paths = [entry.id.model.path for entry in group.entries]
+        for path in paths:
             if prepared_by(path) != self.spec.name:
                 raise ValueError(
                     f"{self.spec.name}: input {path} did not come out of {self.spec.name}'s "
                     "pre-merge pass; run the recipe with lmc-mergekit-yaml, not mergekit-yaml"
                 )
+        return paths
+
+    def merge_group(
+        self, group: TensorGroup, /, weight: PerInputValues, normalize: bool
+    ) -> torch.Tensor:
+        self.check_prepared(group)
         return merge_tensors(
             group.tensors,
             "linear",
@@ -85,9 +96,49 @@ class PreparedInputMerge(GroupMergeMethod):
         )
 
 
+class LatentMerge(PreparedInputMerge):
+    """``ls_merge``: each input's latents of the tensor (its posterior mean, or the mean of
+    ``samples`` posterior draws), averaged with the inputs' weights, decoded by the
+    autoencoder that encoded them. The tensors mergekit loads (each input's own encode–decode)
+    only fix the output's shape and dtype."""
+
+    def __init__(self):
+        self.spec = _spec(
+            "ls_merge",
+            ParameterSpec("samples", int, ParameterScope.SHARED, default=0),
+            ParameterSpec("seed", int, ParameterScope.SHARED, default=0),
+        )
+
+    def merge_group(
+        self,
+        group: TensorGroup,
+        /,
+        weight: PerInputValues,
+        normalize: bool,
+        samples: int,
+        seed: int,
+    ) -> torch.Tensor:
+        from lmc_mergekit.latent.tensor_merge import merge_key
+
+        paths = self.check_prepared(group)
+        like = group.entries[0].tensor
+        merged = merge_key(
+            group.metadata.name,
+            paths,
+            list(weight.values_for(group.entries)),
+            normalize,
+            samples,
+            seed,
+            like.device,
+        )
+        return merged.to(device=like.device, dtype=like.dtype)
+
+
 def register_methods() -> None:
     """Register the plugin's methods with mergekit (importing twice is harmless)."""
     known = {method.spec.name for method in merge_methods.registered_methods()}
-    for name, (pretty, url) in METHODS.items():
+    for name in METHODS:
         if name not in known:
-            merge_methods.register(PreparedInputMerge(name, pretty, url))
+            merge_methods.register(
+                LatentMerge() if name == "ls_merge" else PreparedInputMerge(name)
+            )

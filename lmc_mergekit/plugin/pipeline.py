@@ -70,25 +70,36 @@ def run_recipe(
         run_merge(recipe.config.model_copy(deep=True), str(folder), options, recipe.source)
         return
     prepared, report_dir = prepare_inputs(recipe, options, cache_dir, procs or Processes())
-    config = _with_prepared_models(recipe.config, prepared)
-    combine = getattr(recipe.settings, "combine", None)
-    if combine is not None:
-        config = config.model_copy(update={"merge_method": combine})
-    run_merge(
-        config,
-        str(folder),
-        options.model_copy(update={"write_model_card": False}),
-        recipe.source,
-    )
+    merge_prepared(recipe, prepared, folder, options)
     if report_dir.is_dir():
         shutil.copytree(report_dir, folder, dirs_exist_ok=True)
     premerge = PASSES[recipe.plugin_method.name]
     summary = ""
     if premerge.finish is not None:
         inputs = tuple(Path(source) for source in prepared)
-        summary = premerge.finish(FinishContext(folder, recipe, inputs, options))
+        summary = premerge.finish(FinishContext(folder, recipe, inputs, options, prepared))
     if options.write_model_card:
         write_card(folder, recipe, name, prepared, summary, premerge.checked)
+
+
+def merge_prepared(
+    recipe: Recipe, prepared: dict[str, Path], folder: Path, options: MergeOptions
+) -> None:
+    """mergekit's executor on the prepared checkpoints (no card: the caller writes its own),
+    with the method's parameters from the plugin section."""
+    config = _with_prepared_models(recipe.config, prepared)
+    combine = getattr(recipe.settings, "combine", None)
+    if combine is not None:
+        config = config.model_copy(update={"merge_method": combine})
+    extra = recipe.settings.merge_parameters()
+    if extra:
+        config = config.model_copy(update={"parameters": {**(config.parameters or {}), **extra}})
+    run_merge(
+        config,
+        str(folder),
+        options.model_copy(update={"write_model_card": False}),
+        recipe.source,
+    )
 
 
 def recipe_inputs(config: MergeConfiguration, method: str) -> list[Path]:
@@ -136,6 +147,10 @@ def prepare_inputs(
                 options=options,
                 report_dir=work / REPORT_DIR,
                 state_dir=state_dir,
+                cache_dir=cache_dir / method,
+                base_model=None
+                if recipe.config.base_model is None
+                else model_dir(recipe.config.base_model.model.path),
                 processes=procs,
             )
             PASSES[method].run(ctx)

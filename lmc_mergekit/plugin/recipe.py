@@ -24,6 +24,10 @@ class Section(BaseModel):
     #: Keys that only steer mergekit's merge after the pre-merge pass (not its cache key).
     merge_only: ClassVar[tuple[str, ...]] = ()
 
+    def merge_parameters(self) -> dict:
+        """Parameters this section passes to the registered mergekit method."""
+        return {}
+
 
 class AlignmentSettings(Section):
     """``alignment:`` for ``lmc_dm``."""
@@ -179,8 +183,66 @@ SHAPE_KEYS = (
 class LatentSettings(Section):
     """``latent:`` for ``ls_merge``."""
 
-    compression_ratio: float = Field(1.6, ge=1.0, le=16.0)
-    seed: int = 0
+    merge_only: ClassVar[tuple[str, ...]] = ("samples", "sample_seed")
+
+    compression_ratio: float = Field(
+        1.6,
+        ge=1.0,
+        le=16.0,
+        description="chunk values per latent number (1.6: the paper's working point)",
+    )
+    chunk_size: int = Field(64, ge=8, le=1024, description="weights per chunk (one token)")
+    width: int = Field(128, ge=8, description="autoencoder transformer width")
+    depth: int = Field(2, ge=1, description="transformer layers of the encoder and the decoder")
+    steps: int = Field(2000, ge=1, description="autoencoder training steps")
+    batch_size: int = Field(32, ge=1, description="windows of 16 chunks per training step")
+    lr: float = Field(1e-3, gt=0, description="peak AdamW learning rate")
+    beta: float = Field(1e-3, ge=0, description="KL weight of the variational stage")
+    autoencoder_fraction: float = Field(
+        0.5, ge=0, le=1, description="fraction of the steps trained with the KL term off"
+    )
+    seed: int = Field(0, ge=0, description="seed of the autoencoder's initialisation and batches")
+    autoencoder: str | None = Field(
+        None,
+        description="a trained autoencoder (.safetensors from an earlier run) to use instead "
+        "of training one",
+    )
+    extra_models: list[str] = Field(
+        [], description="more checkpoints the autoencoder trains on (not merged)"
+    )
+    samples: int = Field(
+        0,
+        ge=0,
+        description="posterior samples averaged per model (0: posterior means; a self-merge "
+        "of one model needs at least 1)",
+    )
+    sample_seed: int = Field(0, ge=0, description="seed of the posterior samples")
+    shrinkage: float = Field(
+        0.1, ge=0, le=1, description="covariance shrinkage of the optimal-transport map"
+    )
+    noise_floor: bool = Field(
+        True, description="train a second autoencoder (seed + 1) and report the merged loss spread"
+    )
+    evaluate: bool = Field(True, description="measure the test losses of the report")
+    data: str | None = Field(None, description="evaluation text (default: the bundled corpus)")
+    field: str = Field("text", description="text field of JSON Lines or datasets rows")
+    seq_len: int = Field(128, ge=2, description="tokens per sequence")
+    eval_sequences: int = Field(
+        DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
+    )
+
+    @model_validator(mode="after")
+    def _fits_chunk(self) -> LatentSettings:
+        if self.compression_ratio > self.chunk_size:
+            raise ValueError(
+                f"compression_ratio {self.compression_ratio:g} leaves less than one latent number "
+                f"per chunk of {self.chunk_size}"
+            )
+        return self
+
+    def merge_parameters(self) -> dict:
+        """mergekit parameters of the ``ls_merge`` method that this section sets."""
+        return {"samples": self.samples, "seed": self.sample_seed}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,121 @@
+"""The weight autoencoder of an ``ls_merge`` recipe: a user's file, a cached one, or a new one.
+
+Trained autoencoders are kept in the method's cache under a key of everything that trained them
+(sizes, training settings, seed, package version and the fingerprints of the training models),
+so a second recipe over the same models reuses one instead of training again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.latent.autoencoder import WeightAutoencoder, load_autoencoder, save_autoencoder
+from lmc_mergekit.latent.chunks import NamedTensor
+from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
+from lmc_mergekit.plugin.cache import fingerprint
+from lmc_mergekit.plugin.recipe import LatentSettings
+
+AUTOENCODER_FILE = "autoencoder.safetensors"
+RECORD_FILE = "training.json"
+
+
+def obtain_autoencoder(
+    settings: LatentSettings,
+    seed: int,
+    models: list[Path],
+    tensors: list[NamedTensor],
+    cache_dir: Path,
+    state_dir: Path,
+    device: torch.device,
+    progress: bool,
+) -> tuple[Path, WeightAutoencoder, dict]:
+    """The autoencoder's file, the model (on ``device``) and a record of where it came from:
+    ``settings.autoencoder`` if given, else the cached one trained on ``models`` with ``seed``,
+    else a new one trained on ``tensors`` (resumable from ``state_dir``) and cached."""
+    if settings.autoencoder is not None:
+        path = Path(settings.autoencoder).expanduser().absolute()
+        return path, _load_given(path, device), {"source": "given", "path": str(path)}
+    training = TrainingConfig(
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        lr=settings.lr,
+        autoencoder_fraction=settings.autoencoder_fraction,
+        beta=settings.beta,
+        seed=seed,
+    )
+    sizes = {
+        "chunk_size": settings.chunk_size,
+        "compression_ratio": settings.compression_ratio,
+        "width": settings.width,
+        "depth": settings.depth,
+    }
+    from lmc_mergekit import __version__
+
+    payload = {
+        "sizes": sizes,
+        "training": asdict(training),
+        "models": [fingerprint(path) for path in models],
+        "version": __version__,
+    }
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    folder = cache_dir / "autoencoders" / key
+    if (folder / AUTOENCODER_FILE).is_file():
+        record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+        model = load_autoencoder(folder / AUTOENCODER_FILE, device)
+        return folder / AUTOENCODER_FILE, model, {**record, "source": "cache"}
+    config = autoencoder_config_for(tensors, **sizes)
+    model, record = train_autoencoder(
+        tensors, config, training, device, progress, checkpoint=state_dir / f"autoencoder-{key}.pt"
+    )
+    record = {**record, "seed": seed, "device": str(device), "models": [str(p) for p in models]}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{key}.partial-", dir=folder.parent))
+    try:
+        save_autoencoder(model, work / AUTOENCODER_FILE)
+        (work / RECORD_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
+        if folder.exists():  # a concurrent run finished first
+            shutil.rmtree(folder)
+        work.rename(folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder / AUTOENCODER_FILE, model, {**record, "source": "trained"}
+
+
+def _load_given(path: Path, device: torch.device) -> WeightAutoencoder:
+    if not path.is_file():
+        raise LmcError(
+            f"latent: autoencoder {str(path)!r} does not exist; give a .safetensors "
+            "file an earlier ls_merge run trained, or drop the key to train one"
+        )
+    try:
+        return load_autoencoder(path, device)
+    except (KeyError, RuntimeError, OSError, ValueError) as error:
+        raise LmcError(
+            f"latent: {path.name} is not a weight autoencoder written by lmc-mergekit "
+            f"({str(error).splitlines()[0][:120]}); drop autoencoder: to train one"
+        ) from None
+
+
+def check_fits(autoencoder: WeightAutoencoder, tensors: list[NamedTensor], model: str) -> None:
+    """A one-line error unless ``autoencoder`` knows every kind and layer of ``tensors``."""
+    config = autoencoder.config
+    for named in tensors:
+        if named.kind not in config.kinds:
+            raise LmcError(
+                f"the autoencoder does not fit {model}: it was trained on no tensor of kind "
+                f"{named.kind!r}; train one on these models (drop latent: autoencoder:)"
+            )
+        if named.layer >= config.layers:
+            raise LmcError(
+                f"the autoencoder does not fit {model}: it knows layers 0-{config.layers - 1}, "
+                f"the model has {named.layer + 1}; train one on these models (drop latent: "
+                "autoencoder:)"
+            )

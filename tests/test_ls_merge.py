@@ -1,0 +1,343 @@
+"""ls_merge end to end: the checkpoint layout, the pre-merge pass, the registered method inside
+mergekit's executor (weights per tensor, posterior samples), heterogeneous merges, the report,
+the autoencoder cache and its resumable training, and every bad input of the issue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from tiny_models import VARIANTS, build_model
+from tokenizer_helpers import make_tokenizer, model_with_tokenizer, save_tokenizer
+from transformers import AutoModelForCausalLM
+
+from lmc_mergekit.latent.chunks import model_tensors
+from lmc_mergekit.latent.heterogeneous import layer_map, resample_rows
+from lmc_mergekit.latent.store import open_store
+from lmc_mergekit.latent.tensor_merge import autoencoder_at, decode_key, prepared_layout
+from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.layout import OUTSIDE_BLOCKS, checkpoint_layout
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
+
+# Small enough for seconds per recipe; the benchmarks train real autoencoders.
+FAST = {"steps": 30, "width": 32, "seq_len": 32, "eval_sequences": 8, "noise_floor": False}
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def run_yaml(recipe: dict, tmp_path: Path, out: Path):
+    path = tmp_path / f"recipe-{time.monotonic_ns()}.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    return CliRunner().invoke(mergekit_yaml_main, [str(path), str(out), "--quiet"])
+
+
+def recipe_for(*models, weights=None, base=None, **latent) -> dict:
+    weights = weights or [1.0] * len(models)
+    recipe = {
+        "merge_method": "ls_merge",
+        "models": [
+            {"model": str(m), "parameters": {"weight": w}}
+            for m, w in zip(models, weights, strict=True)
+        ],
+        "dtype": "float32",
+        "latent": {**FAST, **latent},
+    }
+    if base is not None:
+        recipe["base_model"] = str(base)
+    return recipe
+
+
+def merged_ok(result, out: Path) -> dict:
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    return json.loads((out / "ls_report.json").read_text())
+
+
+def prepared_folders(report: dict, cache: Path) -> list[Path]:
+    """The prepared folder of each input (from the cache entry the recipe used)."""
+    entries = sorted((cache / "ls_merge").glob("*/complete.json"), key=lambda p: p.stat().st_mtime)
+    entry = entries[-1].parent
+    return [entry / f"model-{i}" for i in range(len(report["inputs"]))]
+
+
+@pytest.fixture
+def pair(tmp_path) -> tuple[Path, Path]:
+    return (
+        model_with_tokenizer(tmp_path / "a", "llama", seed=0),
+        model_with_tokenizer(tmp_path / "b", "llama", seed=1),
+    )
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_layout_rebuilds_every_checkpoint_tensor_from_canonical_pieces(variant, tmp_path):
+    folder = build_model(variant, tmp_path / variant)
+    view = open_model(folder)
+    layout = checkpoint_layout(view.adapter, view)
+    stored = tensors(folder)
+    canonical = {(t.kind, t.layer): t.tensor for t in model_tensors(view)}
+    assert set(layout) == set(stored)
+    used = []
+    for key, key_layout in layout.items():
+        pieces = [canonical[(p.kind, p.layer)] for p in key_layout.pieces]
+        assert torch.equal(key_layout.assemble(pieces), stored[key]), key
+        used += [(p.kind, p.layer) for p in key_layout.pieces]
+    # Every canonical tensor feeds exactly one key (a tied head feeds none).
+    assert len(used) == len(set(used))
+    missing = set(canonical) - set(used)
+    assert missing <= {("head.weight", OUTSIDE_BLOCKS)}
+    assert bool(missing) == view.spec.tied_embeddings
+
+
+def test_merge_happens_in_mergekit_with_per_tensor_weights(pair, tmp_path):
+    a, b = pair
+    recipe = recipe_for(a, b, noise_floor=True)
+    # mergekit's own per-tensor filters: the MLPs come from a alone, the rest half and half.
+    recipe["models"][1]["parameters"]["weight"] = [{"filter": "mlp", "value": 0.0}, {"value": 1.0}]
+    out = tmp_path / "merged"
+    report = merged_ok(run_yaml(recipe, tmp_path, out), out)
+    merged = tensors(out)
+    prepared = prepared_folders(report, tmp_path / "lmc-cache")
+    decoded_a, decoded_b = tensors(prepared[0]), tensors(prepared[1])
+    mlp = "model.layers.1.mlp.down_proj.weight"
+    torch.testing.assert_close(merged[mlp], decoded_a[mlp], rtol=0, atol=1e-6)
+    # Attention: the decode of the averaged latents, not the average of the decodes.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    stores = [open_store(str(folder)) for folder in prepared]
+    (za, sa), (zb, sb) = (store.get(q) for store in stores)
+    autoencoder = autoencoder_at(str(stores[0].autoencoder), "cpu")
+    expected = decode_key(
+        autoencoder, prepared_layout(str(prepared[0]))[q], (za[0] + zb[0]) / 2, (sa + sb) / 2
+    )
+    torch.testing.assert_close(merged[q], expected.float(), rtol=0, atol=1e-5)
+    assert not torch.allclose(merged[q], (decoded_a[q] + decoded_b[q]) / 2, atol=1e-4)
+    # The report: reconstruction per tensor, λ = 0 losses, merged, weight average, noise floor.
+    view = open_model(a)
+    assert len(report["inputs"][0]["reconstruction_error"]) == len(model_tensors(view))
+    for entry in report["inputs"]:
+        assert set(entry["test_loss"]) == {"original", "decoded"}
+    assert report["merged"]["test_loss"] > 0
+    assert report["weight_average"]["test_loss"] > 0
+    noise = report["noise_floor"]
+    assert noise["seeds"] == [0, 1] and noise["spread"] == pytest.approx(
+        abs(noise["merged_test_losses"][0] - noise["merged_test_losses"][1])
+    )
+    card = (out / "README.md").read_text()
+    assert "Latent-space merge" in card and "Noise floor" in card
+
+
+def test_second_recipe_over_the_same_models_reuses_the_autoencoder(pair, tmp_path):
+    a, b = pair
+    first = merged_ok(run_yaml(recipe_for(a, b), tmp_path, tmp_path / "one"), tmp_path / "one")
+    assert first["autoencoders"][0]["record"]["source"] == "trained"
+    # A setting the autoencoder does not depend on: new prepared inputs, same autoencoder.
+    second_recipe = recipe_for(a, b, weights=[0.7, 0.3], shrinkage=0.2, evaluate=False)
+    second = merged_ok(run_yaml(second_recipe, tmp_path, tmp_path / "two"), tmp_path / "two")
+    assert second["autoencoders"][0]["record"]["source"] == "cache"
+    assert second["autoencoders"][0]["path"] == first["autoencoders"][0]["path"]
+
+
+def test_self_merge_averages_posterior_samples(tmp_path):
+    model = model_with_tokenizer(tmp_path / "m", "llama", seed=0)
+
+    def merge(name: str, **latent) -> dict[str, torch.Tensor]:
+        out = tmp_path / name
+        merged_ok(run_yaml(recipe_for(model, evaluate=False, **latent), tmp_path, out), out)
+        return tensors(out)
+
+    one, sixteen = merge("one", samples=1), merge("sixteen", samples=16)
+    again = merge("again", samples=16)
+    other_seed = merge("other", samples=16, sample_seed=1)
+    report = json.loads((tmp_path / "one" / "ls_report.json").read_text())
+    assert report["kind"] == "self-merge"
+    mean = tensors(prepared_folders(report, tmp_path / "lmc-cache")[0])
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert all(torch.equal(sixteen[k], again[k]) for k in sixteen)
+    assert not torch.equal(sixteen[key], other_seed[key])
+    # Averaging K draws shrinks the distance to the posterior mean's decode (about 1/√K).
+    far = sum(float((one[k] - mean[k]).norm()) for k in mean)
+    near = sum(float((sixteen[k] - mean[k]).norm()) for k in mean)
+    assert 0 < near < 0.6 * far
+
+
+def test_heterogeneous_merge_decodes_with_the_target_shapes(tmp_path):
+    target = model_with_tokenizer(tmp_path / "target", "llama", seed=0)
+    vocab = len(make_tokenizer())
+    source = build_model(
+        "llama",
+        tmp_path / "source",
+        seed=1,
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=3,
+        intermediate_size=64,
+    )
+    save_tokenizer(source)
+    out = tmp_path / "merged"
+    recipe = recipe_for(target, source, weights=[0.9, 0.1], base=target)
+    report = merged_ok(run_yaml(recipe, tmp_path, out), out)
+    assert report["kind"] == "heterogeneous"
+    assert [e["role"] for e in report["inputs"]] == ["target", "source"]
+    assert report["transport"]["layer_map"] == {"-1": -1, "0": 0, "1": 2}
+    merged, original = tensors(out), tensors(target)
+    assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in original.items()}
+    # λ = 0 is the target's own encode–decode.
+    zero = tmp_path / "zero"
+    recipe = recipe_for(target, source, weights=[1.0, 0.0], base=target, evaluate=False)
+    merged_ok(run_yaml(recipe, tmp_path, zero), zero)
+    decoded_target = tensors(prepared_folders(report, tmp_path / "lmc-cache")[0])
+    for key, value in tensors(zero).items():
+        torch.testing.assert_close(value, decoded_target[key], rtol=0, atol=1e-6)
+    assert not torch.allclose(
+        merged["model.layers.1.self_attn.q_proj.weight"],
+        decoded_target["model.layers.1.self_attn.q_proj.weight"],
+    )
+
+
+def test_layer_map_and_resampling():
+    assert layer_map(4, 2) == {OUTSIDE_BLOCKS: OUTSIDE_BLOCKS, 0: 0, 1: 3}
+    assert layer_map(2, 4) == {OUTSIDE_BLOCKS: OUTSIDE_BLOCKS, 0: 0, 1: 0, 2: 1, 3: 1}
+    rows = torch.randn(5, 3)
+    resampled = resample_rows(rows, 9)
+    assert resampled.shape == (9, 3)
+    assert torch.allclose(resampled[0], rows[0]) and torch.allclose(resampled[-1], rows[-1])
+    assert torch.allclose(resampled[2], rows[1])  # 9 rows put every other one on an original
+
+
+def test_autoencoder_training_resumes_after_a_kill(tmp_path):
+    """A training process killed after a checkpoint resumes to the weights of an uninterrupted
+    run."""
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+from tiny_models import build_model
+from lmc_mergekit.latent.chunks import model_tensors
+from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
+from lmc_mergekit.models.adapters import open_model
+torch.set_num_threads(1)
+named = model_tensors(open_model(build_model("llama", Path(sys.argv[1]))))
+train_autoencoder(named, autoencoder_config_for(named, width=16, depth=1),
+    TrainingConfig(steps=300, batch_size=4), progress=False, checkpoint=Path(sys.argv[2]),
+    checkpoint_every=20)
+"""
+    checkpoint = tmp_path / "state" / "ae.pt"
+    process = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "m"), str(checkpoint)])
+    try:
+        deadline = time.monotonic() + 120
+        while not checkpoint.is_file() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert checkpoint.is_file(), "no checkpoint written"
+    finally:
+        process.kill()
+        process.wait()
+    saved = torch.load(checkpoint, weights_only=False)["step"]
+    assert 20 <= saved < 300
+    named = model_tensors(open_model(tmp_path / "m"))
+    config = autoencoder_config_for(named, width=16, depth=1)
+    training = TrainingConfig(steps=300, batch_size=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the killed process's arithmetic, to the bit
+    try:
+        resumed, record = train_autoencoder(
+            named, config, training, progress=False, checkpoint=checkpoint
+        )
+        uninterrupted, _ = train_autoencoder(named, config, training, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert record["resumed_at"] == saved and not checkpoint.exists()
+    for name, value in uninterrupted.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=0)
+
+
+# ---- bad input: each a one-line error, nothing written --------------------------------------
+
+
+def refused(result, out: Path, *phrases: str) -> None:
+    assert result.exit_code != 0
+    message = result.output.strip().splitlines()[-1]
+    for phrase in phrases:
+        assert phrase in message, message
+    assert not out.exists()
+
+
+def test_models_of_different_families_are_refused(tmp_path):
+    a = model_with_tokenizer(tmp_path / "a", "llama")
+    b = model_with_tokenizer(tmp_path / "b", "gpt_neox_partial_rotary_parallel")
+    out = tmp_path / "out"
+    refused(run_yaml(recipe_for(a, b), tmp_path, out), out, "one family", "gpt_neox")
+
+
+def test_models_of_different_shapes_need_a_target(tmp_path):
+    a = model_with_tokenizer(tmp_path / "a", "llama")
+    b = build_model("llama", tmp_path / "b", vocab_size=len(make_tokenizer()), num_hidden_layers=3)
+    save_tokenizer(b)
+    out = tmp_path / "out"
+    refused(run_yaml(recipe_for(a, b), tmp_path, out), out, "heterogeneous", "base_model")
+
+
+def test_heterogeneous_pair_without_a_layer_mapping_is_refused(tmp_path):
+    vocab = len(make_tokenizer())
+    target = build_model("llama", tmp_path / "t", vocab_size=vocab, attention_bias=True)
+    source = build_model("llama", tmp_path / "s", vocab_size=vocab, hidden_size=32)
+    for folder in (target, source):
+        save_tokenizer(folder)
+    out = tmp_path / "out"
+    result = run_yaml(recipe_for(target, source, base=target), tmp_path, out)
+    refused(result, out, "no layer mapping", "_bias")
+
+
+def test_an_autoencoder_that_does_not_fit_is_refused(pair, tmp_path):
+    a, b = pair
+    first = merged_ok(
+        run_yaml(recipe_for(a, b, evaluate=False), tmp_path, tmp_path / "m"), tmp_path / "m"
+    )
+    trained = first["autoencoders"][0]["path"]
+    neox = [
+        model_with_tokenizer(tmp_path / f"n{i}", "gpt_neox_partial_rotary_parallel", seed=i)
+        for i in range(2)
+    ]
+    out = tmp_path / "out"
+    result = run_yaml(recipe_for(*neox, autoencoder=trained), tmp_path, out)
+    refused(result, out, "does not fit", "kind")
+    deeper = [
+        build_model(
+            "llama",
+            tmp_path / f"d{i}",
+            seed=i,
+            vocab_size=len(make_tokenizer()),
+            num_hidden_layers=3,
+        )
+        for i in range(2)
+    ]
+    for folder in deeper:
+        save_tokenizer(folder)
+    result = run_yaml(recipe_for(*deeper, autoencoder=trained), tmp_path, out)
+    refused(result, out, "does not fit", "layers 0-1")
+    result = run_yaml(
+        recipe_for(a, b, autoencoder=str(tmp_path / "nope.safetensors")), tmp_path, out
+    )
+    refused(result, out, "does not exist")
+
+
+@pytest.mark.parametrize("ratio, phrase", [(0.5, "greater than or equal to 1"), (100, "less")])
+def test_compression_ratio_out_of_range_is_refused(pair, tmp_path, ratio, phrase):
+    out = tmp_path / "out"
+    result = run_yaml(recipe_for(*pair, compression_ratio=ratio), tmp_path, out)
+    refused(result, out, "compression_ratio", phrase)
+
+
+def test_one_model_without_self_merge_setting_is_refused(pair, tmp_path):
+    out = tmp_path / "out"
+    refused(run_yaml(recipe_for(pair[0]), tmp_path, out), out, "one model", "samples")
