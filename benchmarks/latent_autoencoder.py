@@ -2,7 +2,6 @@
 
     python benchmarks/latent_autoencoder.py fidelity   [--model DIR] [--ratios 1.6 2 4]
     python benchmarks/latent_autoencoder.py self-merge [--model DIR] [--samples 1 4 16]
-    python benchmarks/latent_autoencoder.py experts    [--model DIR] [--austen F] [--kjv F]
 
 ``fidelity``: for each compression ratio ``r`` the autoencoder (default sizes: chunks of 64,
 latents of ``64/r``) is trained on the model's own weights, every tensor is encoded and decoded
@@ -12,15 +11,12 @@ chunks of the model (one basis for the whole model, fitted on the normalised chu
 number of numbers per chunk as the autoencoder's latents. ``self-merge``: the autoencoder at
 ratio 1.6 trained with two seeds (the noise floor); the test loss of the model decoded from the
 posterior mean (plain encode–decode) and from the average of K posterior samples per tensor.
-``experts``: two experts fine-tuned from the model on Austen and on the KJV, merged by plain
-weight averaging (what mergekit's ``linear`` computes) and by averaging their latents (one
-autoencoder trained on both, two seeds), scored on both test splits.
+Merges through the tool itself are in ``benchmarks/ls_merge.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -32,12 +28,11 @@ from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.latent.chunks import NamedTensor, from_chunks, model_tensors, to_chunks
 from lmc_mergekit.latent.codec import decode_tensor, encode_tensor, relative_error
-from lmc_mergekit.latent.merging import posterior_average, weighted_latents
+from lmc_mergekit.latent.merging import posterior_average
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.view import materialize
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.zoo.train import continue_training
 
 
 def decoded_loss(folder: Path, decoded: dict[tuple[str, int], torch.Tensor], *tests) -> float:
@@ -107,73 +102,9 @@ def self_merge(args, tensors, test) -> None:
             print(f"| {seed} | mean of {samples} samples | {loss:.3f} |", flush=True)
 
 
-def experts(args, tensors, test) -> None:
-    """Two experts fine-tuned from the model on different text, merged by weight averaging and
-    in latent space (autoencoders of two seeds), scored on both texts' test splits."""
-    tokenizer = load_tokenizer([args.model])
-    data = {
-        name: DataConfig(source=str(path))
-        for name, path in (("austen", args.austen), ("kjv", args.kjv))
-    }
-    tests = [load_split(config, tokenizer, "test", args.eval) for config in data.values()]
-    root = Path(tempfile.mkdtemp(prefix="experts-"))
-    folders = []
-    for name, config in data.items():
-        model = load_fp32(args.model)
-        train = load_split(config, tokenizer, "train", 2000)
-        continue_training(
-            model, train, seed=0, steps=args.expert_steps, lr=1e-3, warmup=20, progress=False
-        )
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-        folders.append(root / name)
-    views = [model_tensors(open_model(folder)) for folder in folders]
-    print(f"experts: {args.expert_steps} steps of lr 1e-3 from {args.model.name}")
-    print("| model | Austen test | KJV test | mean |")
-    print("|---|---|---|---|")
-
-    def row(label, losses):
-        print(
-            f"| {label} | {losses[0]:.3f} | {losses[1]:.3f} | {sum(losses) / 2:.3f} |", flush=True
-        )
-
-    row("base", [mean_token_loss(load_fp32(args.model), t).loss for t in tests])
-    for name, named in zip(data, views, strict=True):
-        row(
-            f"{name} expert",
-            decoded_loss(folders[0], {(t.kind, t.layer): t.tensor for t in named}, *tests),
-        )
-    average = {
-        (a.kind, a.layer): (a.tensor.double() + b.tensor.double()) / 2
-        for a, b in zip(*views, strict=True)
-    }
-    row("weight average (mergekit linear)", decoded_loss(folders[0], average, *tests))
-    both = [t for named in views for t in named]
-    config = autoencoder_config_for(both)
-    for seed in (0, 1):
-        model, _ = train_autoencoder(
-            both, config, TrainingConfig(steps=args.steps, seed=seed), progress=False
-        )
-        encoded = [[encode_tensor(model, t) for t in named] for named in views]
-        for name, codes in zip(data, encoded, strict=True):
-            alone = {(e.kind, e.layer): decode_tensor(model, e) for e in codes}
-            row(
-                f"{name} expert encoded–decoded (seed {seed})",
-                decoded_loss(folders[0], alone, *tests),
-            )
-        merged = {
-            (a.kind, a.layer): decode_tensor(
-                model, a, weighted_latents([a.mean, b.mean], [1.0, 1.0])
-            )
-            for a, b in zip(*encoded, strict=True)
-        }
-        row(f"latent average (seed {seed})", decoded_loss(folders[0], merged, *tests))
-    shutil.rmtree(root)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["fidelity", "self-merge", "experts"])
+    parser.add_argument("command", choices=["fidelity", "self-merge"])
     parser.add_argument(
         "--model", type=Path, default=default_cache_dir() / "zoo/gpt_neox-d64-l4-s600-seed0"
     )
@@ -181,10 +112,6 @@ def main() -> None:
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--eval", type=int, default=128, help="test sequences")
-    corpus = Path(__file__).resolve().parents[2] / "shared/data/corpus"
-    parser.add_argument("--austen", type=Path, default=corpus / "austen_emma.txt")
-    parser.add_argument("--kjv", type=Path, default=corpus / "kjv.txt")
-    parser.add_argument("--expert-steps", type=int, default=300)
     args = parser.parse_args()
     tokenizer = load_tokenizer([args.model])
     test = load_split(DataConfig(), tokenizer, "test", args.eval)
@@ -193,9 +120,7 @@ def main() -> None:
     print(
         f"{args.model.name}: {sum(t.tensor.numel() for t in tensors)} weights, test {original:.3f}"
     )
-    {"fidelity": fidelity, "self-merge": self_merge, "experts": experts}[args.command](
-        args, tensors, test
-    )
+    {"fidelity": fidelity, "self-merge": self_merge}[args.command](args, tensors, test)
 
 
 if __name__ == "__main__":

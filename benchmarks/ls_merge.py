@@ -1,0 +1,182 @@
+"""ls_merge through the tool (``lmc-mergekit-yaml`` recipes) against mergekit's own merges.
+
+    python benchmarks/ls_merge.py experts       [--base DIR] [--austen F] [--kjv F]
+    python benchmarks/ls_merge.py heterogeneous [--source DIR] [--target DIR] [--lambdas ...]
+
+``experts``: two experts fine-tuned from one zoo model on different text (Austen's *Emma*, the
+King James Bible), merged half and half by ``ls_merge`` (autoencoder seeds 0 and 1: the noise
+floor), by mergekit ``linear`` and by mergekit ``ties`` (task vectors against the base,
+density 0.5), each scored on both texts' test splits. ``heterogeneous``: a d=64 source merged
+into a d=128 target of the same family, ``(1-λ)·target + λ·transported source`` in latent
+space, test loss against λ for autoencoder seeds 0 and 1; λ = 0 is the target's own
+encode–decode and λ = 1 the transported source alone (optimal transport, no interpolation).
+Every row is a recipe run end to end; the autoencoder's training time and throughput come from
+the runs' reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+from mergekit.options import MergeOptions
+
+from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+from lmc_mergekit.evaluation.loss import mean_token_loss
+from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.plugin.pipeline import run_recipe_file
+from lmc_mergekit.zoo.train import continue_training
+
+
+def run(recipe: dict, out: Path, cache: Path) -> Path:
+    """Run ``recipe`` through the tool into ``out`` (replacing it)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.with_suffix(".yml")
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return run_recipe_file(path, out, MergeOptions(quiet=True), cache, overwrite=True)
+
+
+def latent_recipe(models: list[Path], weights: list[float], args, seed: int, **extra) -> dict:
+    return {
+        "merge_method": "ls_merge",
+        "models": [
+            {"model": str(m), "parameters": {"weight": w}}
+            for m, w in zip(models, weights, strict=True)
+        ],
+        "dtype": "float32",
+        "latent": {"steps": args.steps, "seed": seed, "noise_floor": False, **extra},
+    }
+
+
+def training_line(out: Path) -> str:
+    record = json.loads((out / "ls_report.json").read_text())["autoencoders"][0]["record"]
+    if record["source"] == "cache":
+        return ""
+    return (
+        f"autoencoder seed {record['seed']}: {record['steps']} steps on {record['chunks']} "
+        f"chunks in {record['seconds']:.0f} s ({record['chunks_per_second']:.0f} chunks/s, "
+        f"{record['device']})"
+    )
+
+
+def experts(args) -> None:
+    tokenizer = load_tokenizer([args.base])
+    texts = {"Austen": args.austen, "KJV": args.kjv}
+    tests = [
+        load_split(DataConfig(source=str(path)), tokenizer, "test", args.eval)
+        for path in texts.values()
+    ]
+    work = args.work / "experts"
+    folders = []
+    for name, path in texts.items():
+        folder = work / f"{args.base.name}-{name.lower()}-{args.expert_steps}"
+        if not (folder / "config.json").is_file():
+            model = load_fp32(args.base)
+            train = load_split(DataConfig(source=str(path)), tokenizer, "train", 2000)
+            continue_training(
+                model, train, seed=0, steps=args.expert_steps, lr=1e-3, warmup=20, progress=False
+            )
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        folders.append(folder)
+    print(f"experts: {args.expert_steps} steps of lr 1e-3 from {args.base.name}")
+    print("| model | Austen test | KJV test | mean |")
+    print("|---|---|---|---|")
+
+    def row(label: str, folder: Path) -> None:
+        model = load_fp32(folder)
+        losses = [mean_token_loss(model, test).loss for test in tests]
+        print(
+            f"| {label} | {losses[0]:.3f} | {losses[1]:.3f} | {sum(losses) / 2:.3f} |", flush=True
+        )
+
+    row("base", args.base)
+    for name, folder in zip(texts, folders, strict=True):
+        row(f"{name} expert", folder)
+    plain = {"models": [{"model": str(f), "parameters": {"weight": 0.5}} for f in folders]}
+    row(
+        "mergekit linear",
+        run({**plain, "merge_method": "linear", "dtype": "float32"}, work / "linear", args.cache),
+    )
+    ties = {
+        "merge_method": "ties",
+        "base_model": str(args.base),
+        "models": [
+            {"model": str(f), "parameters": {"weight": 0.5, "density": 0.5}} for f in folders
+        ],
+        "dtype": "float32",
+    }
+    row("mergekit ties (density 0.5)", run(ties, work / "ties", args.cache))
+    notes = []
+    for seed in (0, 1):
+        out = run(
+            latent_recipe(folders, [0.5, 0.5], args, seed, evaluate=False),
+            work / f"latent-{seed}",
+            args.cache,
+        )
+        notes.append(training_line(out))
+        entry = sorted(
+            (args.cache / "ls_merge").glob("*/complete.json"), key=lambda p: p.stat().st_mtime
+        )[-1].parent
+        for index, name in enumerate(texts):
+            row(f"{name} expert encoded–decoded (seed {seed})", entry / f"model-{index}")
+        row(f"ls_merge (autoencoder seed {seed})", out)
+    print("\n".join(line for line in notes if line))
+
+
+def heterogeneous(args) -> None:
+    tokenizer = load_tokenizer([args.target])
+    test = load_split(DataConfig(), tokenizer, "test", args.eval)
+    work = args.work / "heterogeneous"
+    losses = {
+        name: mean_token_loss(load_fp32(f), test).loss
+        for name, f in (("source", args.source), ("target", args.target))
+    }
+    print(
+        f"source {args.source.name} (test {losses['source']:.3f}) into target "
+        f"{args.target.name} (test {losses['target']:.3f})"
+    )
+    print("| λ | test loss, autoencoder seed 0 | seed 1 | spread |")
+    print("|---|---|---|---|")
+    notes = []
+    for lam in args.lambdas:
+        row = []
+        for seed in (0, 1):
+            recipe = latent_recipe(
+                [args.target, args.source], [1 - lam, lam], args, seed, evaluate=False
+            )
+            recipe["base_model"] = str(args.target)
+            out = run(recipe, work / f"lambda-{lam:g}-seed-{seed}", args.cache)
+            notes.append(training_line(out))
+            row.append(mean_token_loss(load_fp32(out), test).loss)
+            shutil.rmtree(out)
+        print(f"| {lam:g} | {row[0]:.3f} | {row[1]:.3f} | {abs(row[0] - row[1]):.3f} |", flush=True)
+    print("\n".join(line for line in notes if line))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["experts", "heterogeneous"])
+    zoo = default_cache_dir() / "zoo"
+    parser.add_argument("--base", type=Path, default=zoo / "gpt_neox-d64-l4-s600-seed0")
+    parser.add_argument("--source", type=Path, default=zoo / "gpt_neox-d64-l4-s600-seed0")
+    parser.add_argument("--target", type=Path, default=zoo / "gpt_neox-d128-l4-s1500-seed0")
+    parser.add_argument("--lambdas", type=float, nargs="+", default=[0, 0.05, 0.1, 0.2, 0.5, 1])
+    parser.add_argument("--steps", type=int, default=1500, help="autoencoder training steps")
+    parser.add_argument("--eval", type=int, default=128, help="test sequences")
+    corpus = Path(__file__).resolve().parents[2] / "shared/data/corpus"
+    parser.add_argument("--austen", type=Path, default=corpus / "austen_emma.txt")
+    parser.add_argument("--kjv", type=Path, default=corpus / "kjv.txt")
+    parser.add_argument("--expert-steps", type=int, default=300)
+    parser.add_argument("--work", type=Path, default=default_cache_dir() / "bench-ls-merge")
+    parser.add_argument("--cache", type=Path, default=default_cache_dir())
+    args = parser.parse_args()
+    {"experts": experts, "heterogeneous": heterogeneous}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
