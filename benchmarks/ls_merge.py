@@ -125,7 +125,7 @@ def experts(args) -> None:
         for index, name in enumerate(texts):
             row(f"{name} expert encoded–decoded (seed {seed})", entry / f"model-{index}")
         row(f"ls_merge (autoencoder seed {seed})", out)
-    print("\n".join(line for line in notes if line))
+    print("\n".join(dict.fromkeys(line for line in notes if line)))
 
 
 def heterogeneous(args) -> None:
@@ -155,7 +155,7 @@ def heterogeneous(args) -> None:
             row.append(mean_token_loss(load_fp32(out), test).loss)
             shutil.rmtree(out)
         print(f"| {lam:g} | {row[0]:.3f} | {row[1]:.3f} | {abs(row[0] - row[1]):.3f} |", flush=True)
-    print("\n".join(line for line in notes if line))
+    print("\n".join(dict.fromkeys(line for line in notes if line)))
 
 
 def main() -> None:

@@ -19,13 +19,14 @@ from tiny_models import VARIANTS, build_model
 from tokenizer_helpers import make_tokenizer, model_with_tokenizer, save_tokenizer
 from transformers import AutoModelForCausalLM
 
-from lmc_mergekit.latent.chunks import model_tensors
-from lmc_mergekit.latent.heterogeneous import layer_map, resample_rows
+from lmc_mergekit.latent.chunks import Normalisation, model_tensors
+from lmc_mergekit.latent.codec import EncodedTensor
+from lmc_mergekit.latent.heterogeneous import layer_map, resample_rows, transport_source
 from lmc_mergekit.latent.store import open_store
 from lmc_mergekit.latent.tensor_merge import autoencoder_at, decode_key, prepared_layout
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.layout import OUTSIDE_BLOCKS, checkpoint_layout
+from lmc_mergekit.models.layout import OUTSIDE_BLOCKS, Piece, checkpoint_layout
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 # Small enough for seconds per recipe; the benchmarks train real autoencoders.
@@ -213,6 +214,28 @@ def test_layer_map_and_resampling():
     assert resampled.shape == (9, 3)
     assert torch.allclose(resampled[0], rows[0]) and torch.allclose(resampled[-1], rows[-1])
     assert torch.allclose(resampled[2], rows[1])  # 9 rows put every other one on an original
+
+
+def test_transported_source_takes_on_each_target_layer_distribution():
+    generator = torch.Generator().manual_seed(0)
+
+    def encoded(kind: str, layer: int, rows: int, shift: float) -> EncodedTensor:
+        mean = torch.randn(rows, 4, generator=generator) * (1 + layer) + shift
+        return EncodedTensor(kind, layer, mean, torch.zeros(rows, 4), Normalisation((rows,), 0, 1))
+
+    kinds = ("attn.q", "mlp.up")
+    source = {(k, layer): encoded(k, layer, 30, 5.0) for k in kinds for layer in range(3)}
+    target = {(k, layer): encoded(k, layer, 60, -2.0) for k in kinds for layer in range(2)}
+    pieces = [Piece(k, layer, (60,)) for k in kinds for layer in range(2)]
+    moved, record = transport_source(source, target, pieces, layer_map(3, 2), 0.0, "source")
+    assert record["1"]["source_layer"] == 2
+    for layer in range(2):
+        got = torch.cat([moved[(k, layer)].mean for k in kinds]).double()
+        want = torch.cat([target[(k, layer)].mean for k in kinds]).double()
+        assert got.shape == want.shape
+        # Resampling interpolates rows, so the moments match closely rather than exactly.
+        assert torch.allclose(got.mean(0), want.mean(0), atol=0.3)
+        assert moved[("attn.q", layer)].norm == target[("attn.q", layer)].norm
 
 
 def test_autoencoder_training_resumes_after_a_kill(tmp_path):

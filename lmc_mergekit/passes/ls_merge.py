@@ -72,7 +72,7 @@ def run(ctx: PassContext) -> None:
                 view.folder.name,
             )
     seeds = [settings.seed]
-    if settings.noise_floor and settings.autoencoder is None:
+    if settings.noise_floor and settings.evaluate and settings.autoencoder is None:
         seeds.append(settings.seed + 1)
     autoencoders, entries, transport = [], None, None
     for run_index, seed in enumerate(seeds):
@@ -172,8 +172,10 @@ def _prepare(autoencoder, path, views, tensors, layouts, outputs, kind, settings
             for t in named
         }
         role, layout, source = "input", layouts[index], view
-        if kind == "heterogeneous":
-            role = "target" if index == 0 else "source"
+        if kind == "heterogeneous" and index == 0:
+            role = "target"
+        elif kind == "heterogeneous" and views[0].spec.shape_mismatch(view.spec) is not None:
+            role = "source"
         if role == "target":
             target = (view, encoded, layouts[0])
         if role == "source":

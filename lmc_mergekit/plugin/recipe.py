@@ -221,7 +221,9 @@ class LatentSettings(Section):
         0.1, ge=0, le=1, description="covariance shrinkage of the optimal-transport map"
     )
     noise_floor: bool = Field(
-        True, description="train a second autoencoder (seed + 1) and report the merged loss spread"
+        True,
+        description="with evaluate: train a second autoencoder (seed + 1) and report the "
+        "merged loss spread",
     )
     evaluate: bool = Field(True, description="measure the test losses of the report")
     data: str | None = Field(None, description="evaluation text (default: the bundled corpus)")
