@@ -113,19 +113,25 @@ def experts(args) -> None:
     row("mergekit ties (density 0.5)", run(ties, work / "ties", args.cache))
     notes = []
     for seed in (0, 1):
-        out = run(
-            latent_recipe(folders, [0.5, 0.5], args, seed, evaluate=False),
-            work / f"latent-{seed}",
-            args.cache,
-        )
-        notes.append(training_line(out))
-        entry = sorted(
-            (args.cache / "ls_merge").glob("*/complete.json"), key=lambda p: p.stat().st_mtime
-        )[-1].parent
-        for index, name in enumerate(texts):
-            row(f"{name} expert encoded–decoded (seed {seed})", entry / f"model-{index}")
-        row(f"ls_merge (autoencoder seed {seed})", out)
+        for keep in (False, True):
+            recipe = latent_recipe(
+                folders, [0.5, 0.5], args, seed, evaluate=False, keep_residuals=keep
+            )
+            out = run(recipe, work / f"latent-{seed}-{keep}", args.cache)
+            notes.append(training_line(out))
+            if not keep:
+                for index, name in enumerate(texts):
+                    row(f"{name} expert encoded–decoded (seed {seed})", prepared(args, index))
+            label = "residuals kept" if keep else "plain decode"
+            row(f"ls_merge, {label} (autoencoder seed {seed})", out)
+            shutil.rmtree(out)
     print("\n".join(dict.fromkeys(line for line in notes if line)))
+
+
+def prepared(args, index: int) -> Path:
+    """The prepared folder of input ``index`` of the latest ls_merge recipe run."""
+    entries = (args.cache / "ls_merge").glob("*/complete.json")
+    return max(entries, key=lambda p: p.stat().st_mtime).parent / f"model-{index}"
 
 
 def heterogeneous(args) -> None:
@@ -140,21 +146,30 @@ def heterogeneous(args) -> None:
         f"source {args.source.name} (test {losses['source']:.3f}) into target "
         f"{args.target.name} (test {losses['target']:.3f})"
     )
-    print("| λ | test loss, autoencoder seed 0 | seed 1 | spread |")
-    print("|---|---|---|---|")
+    print("| λ | plain decode, seed 0 / 1 | spread | residuals kept, seed 0 / 1 | spread |")
+    print("|---|---|---|---|---|")
     notes = []
     for lam in args.lambdas:
         row = []
-        for seed in (0, 1):
-            recipe = latent_recipe(
-                [args.target, args.source], [1 - lam, lam], args, seed, evaluate=False
-            )
-            recipe["base_model"] = str(args.target)
-            out = run(recipe, work / f"lambda-{lam:g}-seed-{seed}", args.cache)
-            notes.append(training_line(out))
-            row.append(mean_token_loss(load_fp32(out), test).loss)
-            shutil.rmtree(out)
-        print(f"| {lam:g} | {row[0]:.3f} | {row[1]:.3f} | {abs(row[0] - row[1]):.3f} |", flush=True)
+        for keep in (False, True):
+            for seed in (0, 1):
+                recipe = latent_recipe(
+                    [args.target, args.source],
+                    [1 - lam, lam],
+                    args,
+                    seed,
+                    evaluate=False,
+                    keep_residuals=keep,
+                )
+                recipe["base_model"] = str(args.target)
+                out = run(recipe, work / f"lambda-{lam:g}-seed-{seed}", args.cache)
+                notes.append(training_line(out))
+                row.append(mean_token_loss(load_fp32(out), test).loss)
+                shutil.rmtree(out)
+        cells = [
+            f"{row[i]:.3f} / {row[i + 1]:.3f} | {abs(row[i] - row[i + 1]):.3f}" for i in (0, 2)
+        ]
+        print(f"| {lam:g} | {cells[0]} | {cells[1]} |", flush=True)
     print("\n".join(dict.fromkeys(line for line in notes if line)))
 
 

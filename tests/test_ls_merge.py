@@ -108,21 +108,31 @@ def test_merge_happens_in_mergekit_with_per_tensor_weights(pair, tmp_path):
     recipe["models"][1]["parameters"]["weight"] = [{"filter": "mlp", "value": 0.0}, {"value": 1.0}]
     out = tmp_path / "merged"
     report = merged_ok(run_yaml(recipe, tmp_path, out), out)
-    merged = tensors(out)
+    merged, original_a = tensors(out), tensors(a)
     prepared = prepared_folders(report, tmp_path / "lmc-cache")
-    decoded_a, decoded_b = tensors(prepared[0]), tensors(prepared[1])
+    decoded_a = tensors(prepared[0])
+    # With the residuals kept (the default), all weight on a gives a's own weights back.
     mlp = "model.layers.1.mlp.down_proj.weight"
-    torch.testing.assert_close(merged[mlp], decoded_a[mlp], rtol=0, atol=1e-6)
-    # Attention: the decode of the averaged latents, not the average of the decodes.
+    torch.testing.assert_close(merged[mlp], original_a[mlp], rtol=0, atol=1e-6)
+    # Attention: the decode of the averaged latents (not the average of the decodes) plus the
+    # averaged residuals.
     q = "model.layers.0.self_attn.q_proj.weight"
     stores = [open_store(str(folder)) for folder in prepared]
     (za, sa), (zb, sb) = (store.get(q) for store in stores)
     autoencoder = autoencoder_at(str(stores[0].autoencoder), "cpu")
-    expected = decode_key(
+    decoded = decode_key(
         autoencoder, prepared_layout(str(prepared[0]))[q], (za[0] + zb[0]) / 2, (sa + sb) / 2
     )
-    torch.testing.assert_close(merged[q], expected.float(), rtol=0, atol=1e-5)
-    assert not torch.allclose(merged[q], (decoded_a[q] + decoded_b[q]) / 2, atol=1e-4)
+    residual = (stores[0].residual(q) + stores[1].residual(q)) / 2
+    torch.testing.assert_close(merged[q], (decoded + residual).float(), rtol=0, atol=1e-5)
+    assert not torch.allclose(merged[q], (original_a[q] + tensors(b)[q]) / 2, atol=1e-4)
+    # Without them: the paper's plain decode (same prepared inputs, only the merge differs).
+    plain = tmp_path / "plain"
+    recipe["latent"]["keep_residuals"] = False
+    merged_ok(run_yaml(recipe, tmp_path, plain), plain)
+    plain_tensors = tensors(plain)
+    torch.testing.assert_close(plain_tensors[mlp], decoded_a[mlp], rtol=0, atol=1e-6)
+    torch.testing.assert_close(plain_tensors[q], decoded.float(), rtol=0, atol=1e-5)
     # The report: reconstruction per tensor, λ = 0 losses, merged, weight average, noise floor.
     view = open_model(a)
     assert len(report["inputs"][0]["reconstruction_error"]) == len(model_tensors(view))
@@ -162,11 +172,11 @@ def test_self_merge_averages_posterior_samples(tmp_path):
     other_seed = merge("other", samples=16, sample_seed=1)
     report = json.loads((tmp_path / "one" / "ls_report.json").read_text())
     assert report["kind"] == "self-merge"
-    mean = tensors(prepared_folders(report, tmp_path / "lmc-cache")[0])
+    mean = tensors(model)  # the residual kept: the posterior mean gives the weights back
     key = "model.layers.0.mlp.up_proj.weight"
     assert all(torch.equal(sixteen[k], again[k]) for k in sixteen)
     assert not torch.equal(sixteen[key], other_seed[key])
-    # Averaging K draws shrinks the distance to the posterior mean's decode (about 1/√K).
+    # Averaging K draws shrinks the distance to the posterior mean's weights (about 1/√K).
     far = sum(float((one[k] - mean[k]).norm()) for k in mean)
     near = sum(float((sixteen[k] - mean[k]).norm()) for k in mean)
     assert 0 < near < 0.6 * far
@@ -193,17 +203,18 @@ def test_heterogeneous_merge_decodes_with_the_target_shapes(tmp_path):
     assert report["transport"]["layer_map"] == {"-1": -1, "0": 0, "1": 2}
     merged, original = tensors(out), tensors(target)
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in original.items()}
-    # λ = 0 is the target's own encode–decode.
-    zero = tmp_path / "zero"
-    recipe = recipe_for(target, source, weights=[1.0, 0.0], base=target, evaluate=False)
-    merged_ok(run_yaml(recipe, tmp_path, zero), zero)
+    # λ = 0 gives the target back (residual kept), or its plain encode–decode (not kept).
     decoded_target = tensors(prepared_folders(report, tmp_path / "lmc-cache")[0])
-    for key, value in tensors(zero).items():
-        torch.testing.assert_close(value, decoded_target[key], rtol=0, atol=1e-6)
-    assert not torch.allclose(
-        merged["model.layers.1.self_attn.q_proj.weight"],
-        decoded_target["model.layers.1.self_attn.q_proj.weight"],
-    )
+    for keep, expected in ((True, original), (False, decoded_target)):
+        zero = tmp_path / f"zero-{keep}"
+        recipe = recipe_for(
+            target, source, weights=[1.0, 0.0], base=target, evaluate=False, keep_residuals=keep
+        )
+        merged_ok(run_yaml(recipe, tmp_path, zero), zero)
+        for key, value in tensors(zero).items():
+            torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[q], original[q], atol=1e-4)
 
 
 def test_layer_map_and_resampling():

@@ -3,8 +3,9 @@
 ``latents/latents.safetensors`` in a prepared folder holds, for every checkpoint key, the
 posterior mean and log-variance of the chunks of the canonical pieces that key is built from
 (``(2, chunks, latent)``, pieces in layout order) and each piece's normalisation
-(``(pieces, 2)``: mean, std). Its metadata names the autoencoder that encoded them. The
-``ls_merge`` method reads it key by key inside mergekit's executor.
+(``(pieces, 2)``: mean, std), and, for inputs whose weights have the output's shape, the
+tensor's reconstruction residual (original − decoded). Its metadata names the autoencoder
+that encoded them. The ``ls_merge`` method reads it key by key inside mergekit's executor.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lmc_mergekit.models.layout import KeyLayout
 
 LATENT_FILE = Path("latents") / "latents.safetensors"
 STATS_PREFIX = "normalisation::"
+RESIDUAL_PREFIX = "residual::"
 
 
 def write_latents(
@@ -29,8 +31,10 @@ def write_latents(
     layouts: dict[str, KeyLayout],
     encoded: dict[tuple[str, int], EncodedTensor],
     autoencoder: Path,
+    residuals: dict[str, torch.Tensor],
 ) -> None:
-    """Write the latents of every key of ``layouts`` from the encoded pieces ``encoded``."""
+    """Write the latents of every key of ``layouts`` from the encoded pieces ``encoded``, and
+    the ``residuals`` given (by key)."""
     tensors = {}
     for key, layout in layouts.items():
         parts = [encoded[(piece.kind, piece.layer)] for piece in layout.pieces]
@@ -40,6 +44,8 @@ def write_latents(
         tensors[STATS_PREFIX + key] = torch.tensor(
             [[part.norm.mean, part.norm.std] for part in parts], dtype=torch.float64
         )
+    for key, residual in residuals.items():
+        tensors[RESIDUAL_PREFIX + key] = residual.contiguous()
     path = folder / LATENT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"autoencoder": str(autoencoder)})
@@ -64,6 +70,11 @@ class LatentStore:
         if key not in self._file.keys():
             raise LmcError(f"the prepared latents hold no tensor {key!r}")
         return self._file.get_tensor(key), self._file.get_tensor(STATS_PREFIX + key)
+
+    def residual(self, key: str) -> torch.Tensor | None:
+        """The reconstruction residual of ``key`` (None for a transported source)."""
+        name = RESIDUAL_PREFIX + key
+        return self._file.get_tensor(name) if name in self._file.keys() else None
 
 
 @cache

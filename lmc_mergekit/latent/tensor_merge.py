@@ -43,10 +43,13 @@ def merge_key(
     normalize: bool,
     samples: int,
     seed: int,
+    residuals: bool,
     device: torch.device,
 ) -> torch.Tensor:
     """``key`` of the merge of the prepared ``folders``: each model's posterior mean (or the
-    mean of ``samples`` posterior draws), their weighted average, decoded."""
+    mean of ``samples`` posterior draws), their weighted average, decoded; with ``residuals``,
+    plus the weighted average of the inputs' reconstruction residuals (over the inputs that
+    have one), so that where the merge leaves a model unchanged its weights come back exactly."""
     stores = [open_store(folder) for folder in folders]
     autoencoders = {store.autoencoder for store in stores}
     if len(autoencoders) > 1:
@@ -60,7 +63,21 @@ def merge_key(
         merged_latents = merged_latents + weight / total * _draw(latents, samples, seed, key, index)
         merged_stats = merged_stats + weight / total * stats
     autoencoder = autoencoder_at(str(autoencoders.pop()), str(device))
-    return decode_key(autoencoder, prepared_layout(folders[0])[key], merged_latents, merged_stats)
+    layout = prepared_layout(folders[0])[key]
+    merged = decode_key(autoencoder, layout, merged_latents, merged_stats)
+    if residuals:
+        merged = merged + _residual(key, stores, weights, normalize)
+    return merged
+
+
+def _residual(key: str, stores, weights: list[float], normalize: bool) -> torch.Tensor:
+    """The weighted average of the inputs' reconstruction residuals of ``key``."""
+    found = [(store.residual(key), w) for store, w in zip(stores, weights, strict=True)]
+    found = [(residual.double(), w) for residual, w in found if residual is not None]
+    total = sum(w for _, w in found) if normalize else 1.0
+    if total == 0:  # all weight on transported sources: nothing to correct with
+        return torch.zeros(())
+    return sum(w / total * residual for residual, w in found)
 
 
 def _draw(latents: torch.Tensor, samples: int, seed: int, key: str, index: int) -> torch.Tensor:

@@ -17,18 +17,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.chunks import model_tensors
 from lmc_mergekit.latent.codec import decode_tensor, encode_tensor, relative_error
 from lmc_mergekit.latent.heterogeneous import check_mapping, layer_map, transport_source
-from lmc_mergekit.latent.store import write_latents
+from lmc_mergekit.latent.store import LatentStore, write_latents
+from lmc_mergekit.latent.tensor_merge import decode_key
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
-from lmc_mergekit.models.checkpoint import ShardWriter, copy_tagalong_files
+from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
 from lmc_mergekit.models.layout import checkpoint_layout
 from lmc_mergekit.passes.autoencoder_cache import check_fits, obtain_autoencoder
 from lmc_mergekit.passes.context import FinishContext, PassContext, pass_device
-from lmc_mergekit.passes.recipe_data import add_merged_loss, load_recipe_split, model_test_loss
+from lmc_mergekit.passes.recipe_data import (
+    add_merged_loss,
+    load_test_split,
+    model_test_loss,
+)
 from lmc_mergekit.plugin.methods import write_provenance
 from lmc_mergekit.plugin.recipe import LatentSettings
 
@@ -52,11 +59,7 @@ def run(ctx: PassContext) -> None:
             "self-merge of K posterior samples) or list more models"
         )
     kind = _merge_kind(views, ctx)
-    test = None
-    if settings.evaluate:
-        test = load_recipe_split(
-            ctx.inputs, settings, "test", settings.eval_sequences, EVALUATE_FIX
-        )
+    test = load_test_split(ctx.inputs, settings, EVALUATE_FIX)
     device = pass_device(ctx.options)
     progress = not ctx.options.quiet
     tensors = [model_tensors(view) for view in views]
@@ -171,15 +174,16 @@ def _prepare(autoencoder, path, views, tensors, layouts, outputs, kind, settings
             f"{t.kind}@{t.layer}": relative_error(t.tensor, decoded[(t.kind, t.layer)])
             for t in named
         }
-        role, layout, source = "input", layouts[index], view
+        role, layout, config_from, originals = "input", layouts[index], view, named
         if kind == "heterogeneous" and index == 0:
             role = "target"
         elif kind == "heterogeneous" and views[0].spec.shape_mismatch(view.spec) is not None:
             role = "source"
         if role == "target":
-            target = (view, encoded, layouts[0])
+            target = (view, encoded)
         if role == "source":
-            target_view, target_encoded, layout = target
+            target_view, target_encoded = target
+            layout, config_from, originals = layouts[0], target_view, tensors[0]
             mapping = layer_map(view.spec.num_layers, target_view.spec.num_layers)
             encoded, transport = transport_source(
                 encoded,
@@ -191,9 +195,11 @@ def _prepare(autoencoder, path, views, tensors, layouts, outputs, kind, settings
             )
             transport = {"layer_map": {str(k): v for k, v in mapping.items()}, "layers": transport}
             decoded = {key: decode_tensor(autoencoder, code) for key, code in encoded.items()}
-            source = target_view
-        dtypes = {(t.kind, t.layer): t.tensor.dtype for t in model_tensors(source)}
-        _write_prepared(out, source, layout, encoded, decoded, dtypes, path)
+        originals = {(t.kind, t.layer): t.tensor for t in originals}
+        # A source has no weights of the output's shape, hence no reconstruction residual.
+        residuals = role != "source"
+        _write_prepared(out, config_from, layout, encoded, decoded, originals, residuals, path)
+        _check_written(out, autoencoder, layout, originals, residuals)
         entries.append(
             {
                 "model": str(view.folder),
@@ -213,19 +219,52 @@ def _pieces(layout) -> list:
     return sorted(pieces, key=lambda piece: (piece.layer, piece.kind))
 
 
-def _write_prepared(out: Path, source, layout, encoded, decoded, dtypes, autoencoder: Path):
-    """The prepared folder: the decode as a stock checkpoint shaped like ``source`` (its
-    config.json and tokenizer), and the latents of every tensor."""
+def _write_prepared(
+    out: Path, config_from, layout, encoded, decoded, originals, residuals: bool, autoencoder
+) -> None:
+    """The prepared folder: the decode as a stock checkpoint (config.json and tokenizer of
+    ``config_from``, dtypes of ``originals``), the latents of every tensor and, with
+    ``residuals``, each tensor's reconstruction residual (original − decoded)."""
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out, DEFAULT_SHARD_SIZE)
+    residual = {}
     for key, key_layout in layout.items():
-        first = key_layout.pieces[0]
-        flats = [decoded[(p.kind, p.layer)] for p in key_layout.pieces]
-        writer.write({key: key_layout.assemble(flats).to(dtypes[(first.kind, first.layer)])})
+        pieces = [(p.kind, p.layer) for p in key_layout.pieces]
+        tensor = key_layout.assemble([decoded[piece] for piece in pieces])
+        writer.write({key: tensor.to(originals[pieces[0]].dtype)})
+        if residuals:
+            original = key_layout.assemble([originals[piece].double() for piece in pieces])
+            residual[key] = (original - tensor).float()
     writer.close()
-    shutil.copy2(source.folder / "config.json", out / "config.json")
-    copy_tagalong_files(source.folder, out)
-    write_latents(out, layout, encoded, autoencoder)
+    shutil.copy2(config_from.folder / "config.json", out / "config.json")
+    copy_tagalong_files(config_from.folder, out)
+    write_latents(out, layout, encoded, autoencoder, residual)
+
+
+def _check_written(out: Path, autoencoder, layout, originals, residuals: bool) -> None:
+    """Read the prepared folder back: every tensor decoded from the stored latents (as the
+    merge method will) must be the stored decode, and decode + residual the original."""
+    store = LatentStore(out)
+    written = CheckpointReader(out)
+    for key, key_layout in layout.items():
+        latents, stats = store.get(key)
+        decoded = decode_key(autoencoder, key_layout, latents[0], stats)
+        error = _distance(written.get(key).double(), decoded)
+        if residuals:
+            pieces = [originals[(p.kind, p.layer)].double() for p in key_layout.pieces]
+            rebuilt = decoded + store.residual(key).double()
+            error = max(error, _distance(key_layout.assemble(pieces), rebuilt))
+        if not error <= 1e-5:
+            raise LmcError(
+                f"self-check failed: {key!r} decoded from the written latents is {error:.1e} "
+                f"(relative) away from what the pass decoded; nothing was kept"
+            )
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖`` relative to the larger of the two (zero tensors stay comparable)."""
+    scale = max(float(a.norm()), float(b.norm()), 1e-30)
+    return float((a - b).norm()) / scale
 
 
 def finish(ctx: FinishContext) -> str:
@@ -235,10 +274,9 @@ def finish(ctx: FinishContext) -> str:
     if report is None:
         return ""
     settings = LatentSettings.model_validate(report["settings"])
-    if settings.evaluate:
-        sequences, _ = load_recipe_split(
-            ctx.inputs, settings, "test", settings.eval_sequences, EVALUATE_FIX
-        )
+    test = load_test_split(ctx.inputs, settings, EVALUATE_FIX)
+    if test is not None:
+        sequences = test[0]
         report["weight_average"] = _weight_average(ctx, report, sequences)
         report["noise_floor"] = _noise_floor(ctx, report, sequences)
         (ctx.folder / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
@@ -294,7 +332,12 @@ def card_section(report: dict) -> str:
         f"{first['config']['chunk_size']}, compression ratio "
         f"{first['config']['compression_ratio']:g}, {record.get('source', 'given')}"
         + (f", {record['steps']} steps in {record['seconds']:.0f} s" if "steps" in record else "")
-        + f"). Posterior samples per model: {settings['samples'] or 'none (posterior means)'}.\n",
+        + f"). Posterior samples per model: {settings['samples'] or 'none (posterior means)'}; "
+        + (
+            "the inputs' reconstruction residuals added back to the decoded merge.\n"
+            if settings["keep_residuals"]
+            else "plain decode (reconstruction residuals not kept).\n"
+        ),
     ]
     header = "| input | role | mean reconstruction error |"
     if report.get("test"):

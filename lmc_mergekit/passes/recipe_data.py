@@ -36,6 +36,14 @@ def load_recipe_split(
     return sequences, data
 
 
+def load_test_split(inputs: tuple[Path, ...], settings, fix: str) -> tuple | None:
+    """The section's test sequences and their description when it asks for evaluation
+    (``settings.evaluate``), else None."""
+    if not settings.evaluate:
+        return None
+    return load_recipe_split(inputs, settings, "test", settings.eval_sequences, fix)
+
+
 def model_test_loss(folder: Path, sequences: torch.Tensor, options) -> float:
     """The mean test loss of the checkpoint ``folder`` on the pass's device (mergekit
     ``options``)."""
@@ -56,10 +64,9 @@ def add_merged_loss(ctx, report_file: str, settings_type, fix: str) -> dict | No
         return None
     report = json.loads(path.read_text(encoding="utf-8"))
     settings = settings_type.model_validate(report["settings"])
-    if settings.evaluate:
-        sequences, data = load_recipe_split(
-            ctx.inputs, settings, "test", settings.eval_sequences, fix
-        )
+    test = load_test_split(ctx.inputs, settings, fix)
+    if test is not None:
+        sequences, data = test
         loss = model_test_loss(ctx.folder, sequences, ctx.options)
         report["merged"] = {"test_loss": loss, "tokens": data["tokens"]}
         path.write_text(json.dumps(report, indent=2), encoding="utf-8")

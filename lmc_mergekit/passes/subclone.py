@@ -21,6 +21,7 @@ from lmc_mergekit.passes.context import FinishContext, PassContext, pass_device
 from lmc_mergekit.passes.recipe_data import (
     add_merged_loss,
     load_recipe_split,
+    load_test_split,
     model_test_loss,
 )
 from lmc_mergekit.plugin.recipe import SHAPE_KEYS, SubcloneSettings
@@ -64,11 +65,7 @@ def run(ctx: PassContext) -> None:
     )
     if settings.compensate:
         _check_enough_tokens(targets[0][0], calibration_data, settings)
-    test = None
-    if settings.evaluate:
-        test = load_recipe_split(
-            ctx.inputs, settings, "test", settings.eval_sequences, EVALUATE_FIX
-        )
+    test = load_test_split(ctx.inputs, settings, EVALUATE_FIX)
     device = pass_device(ctx.options)
     progress = not ctx.options.quiet
     config = ConversionConfig(

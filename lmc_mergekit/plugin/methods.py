@@ -99,7 +99,8 @@ class PreparedInputMerge(GroupMergeMethod):
 class LatentMerge(PreparedInputMerge):
     """``ls_merge``: each input's latents of the tensor (its posterior mean, or the mean of
     ``samples`` posterior draws), averaged with the inputs' weights, decoded by the
-    autoencoder that encoded them. The tensors mergekit loads (each input's own encode–decode)
+    autoencoder that encoded them (plus the inputs' averaged reconstruction residuals unless
+    ``residuals`` is false). The tensors mergekit loads (each input's own encode–decode)
     only fix the output's shape and dtype."""
 
     def __init__(self):
@@ -107,6 +108,7 @@ class LatentMerge(PreparedInputMerge):
             "ls_merge",
             ParameterSpec("samples", int, ParameterScope.SHARED, default=0),
             ParameterSpec("seed", int, ParameterScope.SHARED, default=0),
+            ParameterSpec("residuals", bool, ParameterScope.SHARED, default=True),
         )
 
     def merge_group(
@@ -117,6 +119,7 @@ class LatentMerge(PreparedInputMerge):
         normalize: bool,
         samples: int,
         seed: int,
+        residuals: bool,
     ) -> torch.Tensor:
         from lmc_mergekit.latent.tensor_merge import merge_key
 
@@ -129,6 +132,7 @@ class LatentMerge(PreparedInputMerge):
             normalize,
             samples,
             seed,
+            residuals,
             like.device,
         )
         return merged.to(device=like.device, dtype=like.dtype)

@@ -29,7 +29,22 @@ class Section(BaseModel):
         return {}
 
 
-class AlignmentSettings(Section):
+class TextSettings(Section):
+    """The text a method calibrates and evaluates on (shared by the plugin sections)."""
+
+    data: str | None = Field(
+        None,
+        description="calibration and evaluation text (file, folder, .jsonl, datasets folder; "
+        "default: the bundled corpus)",
+    )
+    field: str = Field("text", description="text field of JSON Lines or datasets rows")
+    seq_len: int = Field(128, ge=2, description="tokens per sequence")
+    eval_sequences: int = Field(
+        DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
+    )
+
+
+class AlignmentSettings(TextSettings):
     """``alignment:`` for ``lmc_dm``."""
 
     merge_only: ClassVar[tuple[str, ...]] = ("combine",)
@@ -81,16 +96,6 @@ class AlignmentSettings(Section):
     evaluate: bool = Field(
         True, description="measure the loss along the path before and after alignment"
     )
-    data: str | None = Field(
-        None,
-        description="calibration and evaluation text (file, folder, .jsonl, datasets folder; "
-        "default: the bundled corpus)",
-    )
-    field: str = Field("text", description="text field of JSON Lines or datasets rows")
-    seq_len: int = Field(128, ge=2, description="tokens per sequence")
-    eval_sequences: int = Field(
-        DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
-    )
     points: int = Field(11, ge=3, description="λ grid points along the path")
 
     @model_validator(mode="after")
@@ -116,7 +121,7 @@ class AlignmentSettings(Section):
         return self
 
 
-class SubcloneSettings(Section):
+class SubcloneSettings(TextSettings):
     """``subclone:`` for ``subclone_compensate``."""
 
     hidden_size: int | None = Field(None, gt=0, description="target width")
@@ -149,14 +154,6 @@ class SubcloneSettings(Section):
         256, ge=1, description="train-split sequences the conversion calibrates on"
     )
     evaluate: bool = Field(True, description="measure donor and converted test losses")
-    data: str | None = Field(
-        None, description="calibration and evaluation text (default: the bundled corpus)"
-    )
-    field: str = Field("text", description="text field of JSON Lines or datasets rows")
-    seq_len: int = Field(128, ge=2, description="tokens per sequence")
-    eval_sequences: int = Field(
-        DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
-    )
 
     @model_validator(mode="after")
     def _needs_target(self) -> SubcloneSettings:
@@ -180,10 +177,10 @@ SHAPE_KEYS = (
 )
 
 
-class LatentSettings(Section):
+class LatentSettings(TextSettings):
     """``latent:`` for ``ls_merge``."""
 
-    merge_only: ClassVar[tuple[str, ...]] = ("samples", "sample_seed")
+    merge_only: ClassVar[tuple[str, ...]] = ("samples", "sample_seed", "keep_residuals")
 
     compression_ratio: float = Field(
         1.6,
@@ -217,6 +214,11 @@ class LatentSettings(Section):
         "of one model needs at least 1)",
     )
     sample_seed: int = Field(0, ge=0, description="seed of the posterior samples")
+    keep_residuals: bool = Field(
+        True,
+        description="add the inputs' reconstruction residuals (original − decoded), averaged "
+        "with the merge weights, to the decoded merge (false: the paper's plain decode)",
+    )
     shrinkage: float = Field(
         0.1, ge=0, le=1, description="covariance shrinkage of the optimal-transport map"
     )
@@ -226,12 +228,6 @@ class LatentSettings(Section):
         "merged loss spread",
     )
     evaluate: bool = Field(True, description="measure the test losses of the report")
-    data: str | None = Field(None, description="evaluation text (default: the bundled corpus)")
-    field: str = Field("text", description="text field of JSON Lines or datasets rows")
-    seq_len: int = Field(128, ge=2, description="tokens per sequence")
-    eval_sequences: int = Field(
-        DEFAULT_EVAL_SEQUENCES, ge=1, description="most test-split sequences evaluated"
-    )
 
     @model_validator(mode="after")
     def _fits_chunk(self) -> LatentSettings:
@@ -244,7 +240,11 @@ class LatentSettings(Section):
 
     def merge_parameters(self) -> dict:
         """mergekit parameters of the ``ls_merge`` method that this section sets."""
-        return {"samples": self.samples, "seed": self.sample_seed}
+        return {
+            "samples": self.samples,
+            "seed": self.sample_seed,
+            "residuals": self.keep_residuals,
+        }
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,9 @@ def _validated(model: type[Section], body: dict, where: str) -> Section:
     try:
         return model.model_validate(body)
     except ValidationError as error:
-        allowed = ", ".join(model.model_fields)
+        # The method's own keys first, then the shared text keys.
+        fields = sorted(model.model_fields, key=lambda key: key in TextSettings.model_fields)
+        allowed = ", ".join(fields)
         detail = error.errors()[0]
         if detail["type"] == "extra_forbidden":
             raise LmcError(
