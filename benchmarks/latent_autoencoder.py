@@ -1,17 +1,14 @@
-"""The weight autoencoder on one zoo model: fidelity against PCA, and self-merging.
+"""The weight autoencoder on one zoo model: encode–decode fidelity against PCA.
 
-    python benchmarks/latent_autoencoder.py fidelity   [--model DIR] [--ratios 1.6 2 4]
-    python benchmarks/latent_autoencoder.py self-merge [--model DIR] [--samples 1 4 16]
+    python benchmarks/latent_autoencoder.py fidelity [--model DIR] [--ratios 1.6 2 4]
 
 ``fidelity``: for each compression ratio ``r`` the autoencoder (default sizes: chunks of 64,
 latents of ``64/r``) is trained on the model's own weights, every tensor is encoded and decoded
 (posterior mean), and the decoded model's test loss is measured: what decoding alone costs
 (the λ = 0 endpoint of every latent merge). PCA keeps ``64/r`` principal components of all
 chunks of the model (one basis for the whole model, fitted on the normalised chunks), the same
-number of numbers per chunk as the autoencoder's latents. ``self-merge``: the autoencoder at
-ratio 1.6 trained with two seeds (the noise floor); the test loss of the model decoded from the
-posterior mean (plain encode–decode) and from the average of K posterior samples per tensor.
-Merges through the tool itself are in ``benchmarks/ls_merge.py``.
+number of numbers per chunk as the autoencoder's latents. Merges (self-merge, experts,
+heterogeneous) run through the tool itself in ``benchmarks/ls_merge.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.latent.chunks import NamedTensor, from_chunks, model_tensors, to_chunks
 from lmc_mergekit.latent.codec import decode_tensor, encode_tensor, relative_error
-from lmc_mergekit.latent.merging import posterior_average
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.view import materialize
@@ -82,34 +78,13 @@ def fidelity(args, tensors, test) -> None:
             print(f"| {ratio:g} | {name} | {error:.3f} | {loss:.3f} | {cost} |", flush=True)
 
 
-def self_merge(args, tensors, test) -> None:
-    print("| autoencoder seed | decoded from | test loss |")
-    print("|---|---|---|")
-    config = autoencoder_config_for(tensors)
-    for seed in (0, 1):
-        training = TrainingConfig(steps=args.steps, seed=seed)
-        model, _ = train_autoencoder(tensors, config, training, progress=False)
-        encoded = [encode_tensor(model, t) for t in tensors]
-        mean = {(e.kind, e.layer): decode_tensor(model, e) for e in encoded}
-        print(f"| {seed} | posterior mean | {decoded_loss(args.model, mean, test):.3f} |")
-        for samples in args.samples:
-            generator = torch.Generator().manual_seed(seed)
-            merged = {
-                (e.kind, e.layer): decode_tensor(model, e, posterior_average(e, samples, generator))
-                for e in encoded
-            }
-            loss = decoded_loss(args.model, merged, test)
-            print(f"| {seed} | mean of {samples} samples | {loss:.3f} |", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["fidelity", "self-merge"])
+    parser.add_argument("command", choices=["fidelity"])
     parser.add_argument(
         "--model", type=Path, default=default_cache_dir() / "zoo/gpt_neox-d64-l4-s600-seed0"
     )
     parser.add_argument("--ratios", type=float, nargs="+", default=[1.6, 2.0, 4.0])
-    parser.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--eval", type=int, default=128, help="test sequences")
     args = parser.parse_args()
@@ -120,7 +95,7 @@ def main() -> None:
     print(
         f"{args.model.name}: {sum(t.tensor.numel() for t in tensors)} weights, test {original:.3f}"
     )
-    {"fidelity": fidelity, "self-merge": self_merge}[args.command](args, tensors, test)
+    {"fidelity": fidelity}[args.command](args, tensors, test)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,24 @@
 """ls_merge through the tool (``lmc-mergekit-yaml`` recipes) against mergekit's own merges.
 
-    python benchmarks/ls_merge.py experts       [--base DIR] [--austen F] [--kjv F]
+    python benchmarks/ls_merge.py experts       [--base DIR] [--austen F] [--kjv F] [--steps N]
     python benchmarks/ls_merge.py heterogeneous [--source DIR] [--target DIR] [--lambdas ...]
+                                                [--random-source]
+    python benchmarks/ls_merge.py self-merge    [--base DIR] [--samples 1 4 16]
 
 ``experts``: two experts fine-tuned from one zoo model on different text (Austen's *Emma*, the
 King James Bible), merged half and half by ``ls_merge`` (autoencoder seeds 0 and 1: the noise
 floor), by mergekit ``linear`` and by mergekit ``ties`` (task vectors against the base,
-density 0.5), each scored on both texts' test splits. ``heterogeneous``: a d=64 source merged
-into a d=128 target of the same family, ``(1-λ)·target + λ·transported source`` in latent
-space, test loss against λ for autoencoder seeds 0 and 1; λ = 0 is the target's own
-encode–decode and λ = 1 the transported source alone (optimal transport, no interpolation).
-Every row is a recipe run end to end; the autoencoder's training time and throughput come from
-the runs' reports.
+density 0.5), each scored on both texts' test splits. Latent merges are shown as the paper
+decodes them (``keep_residuals: false``) and with the inputs' reconstruction residuals kept
+(the default). ``heterogeneous``: a d=64 source merged into a d=128 target of the same family,
+``(1-λ)·target + λ·transported source`` in latent space, test loss against λ for autoencoder
+seeds 0 and 1, plain decode and residuals kept; λ = 0 is the target's own encode–decode (plain)
+or the target itself (residuals kept), λ = 1 the transported source alone (optimal transport,
+no interpolation). ``--random-source`` runs the same sweep with an untrained model of the
+source's shape: the control that tells knowledge carried over from the source apart from a
+mere perturbation of the target. ``self-merge``: one model, the average of K posterior samples
+per tensor decoded (plain, and with the model's residuals kept). Every row is a recipe run end
+to end; the autoencoder's training time and throughput come from the runs' reports.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 import yaml
 from mergekit.options import MergeOptions
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import mean_token_loss
@@ -134,10 +143,53 @@ def prepared(args, index: int) -> Path:
     return max(entries, key=lambda p: p.stat().st_mtime).parent / f"model-{index}"
 
 
+def self_merge(args) -> None:
+    tokenizer = load_tokenizer([args.base])
+    test = load_split(DataConfig(), tokenizer, "test", args.eval)
+    original = mean_token_loss(load_fp32(args.base), test).loss
+    print(f"self-merge of {args.base.name} (test {original:.3f})")
+    print("| posterior samples K | plain decode, seed 0 / 1 | residuals kept, seed 0 / 1 |")
+    print("|---|---|---|")
+    notes = []
+    for samples in args.samples:
+        cells = []
+        for keep in (False, True):
+            losses = []
+            for seed in (0, 1):
+                recipe = latent_recipe(
+                    [args.base],
+                    [1.0],
+                    args,
+                    seed,
+                    evaluate=False,
+                    keep_residuals=keep,
+                    samples=samples,
+                )
+                out = run(recipe, args.work / "self-merge" / f"k{samples}-{seed}", args.cache)
+                notes.append(training_line(out))
+                losses.append(mean_token_loss(load_fp32(out), test).loss)
+                shutil.rmtree(out)
+            cells.append(f"{losses[0]:.3f} / {losses[1]:.3f}")
+        print(f"| {samples} | {cells[0]} | {cells[1]} |", flush=True)
+    print("\n".join(dict.fromkeys(line for line in notes if line)))
+
+
+def random_twin(folder: Path, out: Path) -> Path:
+    """An untrained model of ``folder``'s config and tokenizer (the control source)."""
+    if not (out / "config.json").is_file():
+        config = AutoConfig.from_pretrained(folder)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(out)
+        load_tokenizer([folder]).save_pretrained(out)
+    return out
+
+
 def heterogeneous(args) -> None:
     tokenizer = load_tokenizer([args.target])
     test = load_split(DataConfig(), tokenizer, "test", args.eval)
     work = args.work / "heterogeneous"
+    if args.random_source:
+        args.source = random_twin(args.source, work / f"untrained-{args.source.name}")
     losses = {
         name: mean_token_loss(load_fp32(f), test).loss
         for name, f in (("source", args.source), ("target", args.target))
@@ -175,13 +227,19 @@ def heterogeneous(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["experts", "heterogeneous"])
+    parser.add_argument("command", choices=["experts", "heterogeneous", "self-merge"])
     zoo = default_cache_dir() / "zoo"
     parser.add_argument("--base", type=Path, default=zoo / "gpt_neox-d64-l4-s600-seed0")
     parser.add_argument("--source", type=Path, default=zoo / "gpt_neox-d64-l4-s600-seed0")
     parser.add_argument("--target", type=Path, default=zoo / "gpt_neox-d128-l4-s1500-seed0")
     parser.add_argument("--lambdas", type=float, nargs="+", default=[0, 0.05, 0.1, 0.2, 0.5, 1])
+    parser.add_argument(
+        "--random-source",
+        action="store_true",
+        help="control: an untrained model of the source's config as the source",
+    )
     parser.add_argument("--steps", type=int, default=1500, help="autoencoder training steps")
+    parser.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--eval", type=int, default=128, help="test sequences")
     corpus = Path(__file__).resolve().parents[2] / "shared/data/corpus"
     parser.add_argument("--austen", type=Path, default=corpus / "austen_emma.txt")
@@ -190,7 +248,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=default_cache_dir() / "bench-ls-merge")
     parser.add_argument("--cache", type=Path, default=default_cache_dir())
     args = parser.parse_args()
-    {"experts": experts, "heterogeneous": heterogeneous}[args.command](args)
+    commands = {"experts": experts, "heterogeneous": heterogeneous, "self-merge": self_merge}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

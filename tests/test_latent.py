@@ -15,7 +15,7 @@ from lmc_mergekit.latent.autoencoder import (
 )
 from lmc_mergekit.latent.chunks import NamedTensor, from_chunks, model_tensors, to_chunks
 from lmc_mergekit.latent.codec import decode_tensor, encode_tensor, relative_error
-from lmc_mergekit.latent.merging import gaussian_transport, posterior_average, weighted_latents
+from lmc_mergekit.latent.merging import gaussian_transport, posterior_average, weighted_average
 from lmc_mergekit.latent.training import (
     TrainingConfig,
     autoencoder_config_for,
@@ -78,7 +78,7 @@ def test_one_tensor_encodes_and_decodes_alone_and_the_model_saves(tensors, train
     assert encoded.mean.shape == (-(-named.tensor.numel() // 16), 10)
     decoded = decode_tensor(model, encoded)
     assert decoded.shape == named.tensor.shape
-    sample = encoded.sample(torch.Generator().manual_seed(0))
+    sample = posterior_average(encoded.mean, encoded.log_var, 1, torch.Generator().manual_seed(0))
     assert not torch.equal(sample, encoded.mean)
     assert decode_tensor(model, encoded, sample).shape == named.tensor.shape
 
@@ -98,17 +98,24 @@ def test_tensors_the_autoencoder_cannot_encode_are_refused(trained):
         AutoencoderConfig(kinds=("a",), layers=1, compression_ratio=0.5)
 
 
-def test_weighted_latents_and_posterior_average(trained, tensors):
+def test_weighted_average_and_posterior_average(trained, tensors):
     a, b = torch.ones(3, 2), torch.zeros(3, 2)
-    assert torch.allclose(weighted_latents([a, b], [3.0, 1.0]), torch.full((3, 2), 0.75))
+    assert torch.allclose(weighted_average([a, b], [3.0, 1.0]), torch.full((3, 2), 0.75).double())
+    assert torch.allclose(weighted_average([a, b], [3.0, 1.0], normalize=False), 3 * a.double())
     with pytest.raises(LmcError, match="different shapes"):
-        weighted_latents([a, torch.zeros(2, 2)], [1.0, 1.0])
+        weighted_average([a, torch.zeros(2, 2)], [1.0, 1.0])
+    with pytest.raises(LmcError, match="sum to zero"):
+        weighted_average([a, b], [1.0, -1.0])
     model, _ = trained
     encoded = encode_tensor(model, tensors[0])
-    many = posterior_average(encoded, 400, torch.Generator().manual_seed(0))
-    one = posterior_average(encoded, 1, torch.Generator().manual_seed(0))
+
+    def average(samples: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        return posterior_average(encoded.mean, encoded.log_var, samples, generator)
+
+    assert torch.equal(average(0), encoded.mean.double())
     # Averaging samples converges to the posterior mean.
-    assert (many - encoded.mean).norm() < 0.2 * (one - encoded.mean).norm()
+    assert (average(400) - encoded.mean).norm() < 0.2 * (average(1) - encoded.mean).norm()
 
 
 def test_gaussian_transport_moves_one_distribution_onto_the_other():

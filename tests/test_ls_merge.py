@@ -159,6 +159,20 @@ def test_second_recipe_over_the_same_models_reuses_the_autoencoder(pair, tmp_pat
     assert second["autoencoders"][0]["path"] == first["autoencoders"][0]["path"]
 
 
+def test_extra_models_train_the_autoencoder_and_must_share_the_family(pair, tmp_path):
+    a, b = pair
+    extra = model_with_tokenizer(tmp_path / "extra", "llama", seed=2)
+    out = tmp_path / "merged"
+    recipe = recipe_for(a, b, evaluate=False, extra_models=[str(extra)])
+    report = merged_ok(run_yaml(recipe, tmp_path, out), out)
+    assert str(extra.resolve()) in report["autoencoders"][0]["record"]["models"]
+    assert len(report["inputs"]) == 2  # trained on, not merged
+    other = model_with_tokenizer(tmp_path / "other", "gpt_neox_partial_rotary_parallel")
+    refused_out = tmp_path / "refused"
+    recipe = recipe_for(a, b, extra_models=[str(other)])
+    refused(run_yaml(recipe, tmp_path, refused_out), refused_out, "one family")
+
+
 def test_self_merge_averages_posterior_samples(tmp_path):
     model = model_with_tokenizer(tmp_path / "m", "llama", seed=0)
 

@@ -21,11 +21,6 @@ class EncodedTensor:
     log_var: torch.Tensor
     norm: Normalisation
 
-    def sample(self, generator: torch.Generator) -> torch.Tensor:
-        """One draw from the posterior, ``(n, latent)``."""
-        noise = torch.randn(self.mean.shape, generator=generator).to(self.mean)
-        return self.mean + noise * (0.5 * self.log_var).exp()
-
 
 @torch.no_grad()
 def encode_tensor(model: WeightAutoencoder, named: NamedTensor) -> EncodedTensor:

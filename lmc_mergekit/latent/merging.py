@@ -8,27 +8,36 @@ from dataclasses import dataclass
 import torch
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.latent.codec import EncodedTensor
 
 
-def weighted_latents(latents: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """``Σ w_i z_i / Σ w_i`` of same-shaped latents (a homogeneous merge)."""
-    if len(latents) != len(weights) or not latents:
+def weighted_average(
+    values: list[torch.Tensor], weights: list[float], normalize: bool = True
+) -> torch.Tensor:
+    """``Σ w_i v_i / Σ w_i`` (``Σ w_i v_i`` without ``normalize``) of same-shaped tensors, in
+    float64: latents, normalisations or residuals of the models of a merge."""
+    if len(values) != len(weights) or not values:
         raise LmcError("give one weight per model to merge")
-    if any(z.shape != latents[0].shape for z in latents):
-        shapes = ", ".join(str(tuple(z.shape)) for z in latents)
-        raise LmcError(f"latents of different shapes ({shapes}) cannot be averaged")
-    total = sum(weights)
+    if any(v.shape != values[0].shape for v in values):
+        shapes = ", ".join(str(tuple(v.shape)) for v in values)
+        raise LmcError(f"tensors of different shapes ({shapes}) cannot be averaged")
+    total = sum(weights) if normalize else 1.0
     if total == 0:
-        raise LmcError("the merge weights sum to zero")
-    return sum(w * z for w, z in zip(weights, latents, strict=True)) / total
+        raise LmcError("the merge weights sum to zero; give some model a non-zero weight")
+    return sum(w / total * v.double() for w, v in zip(weights, values, strict=True))
 
 
-def posterior_average(encoded: EncodedTensor, samples: int, generator: torch.Generator):
-    """The mean of ``samples`` draws from a tensor's posterior (a self-merge)."""
-    if samples < 1:
-        raise LmcError(f"a self-merge needs at least one sample, not {samples}")
-    return sum(encoded.sample(generator) for _ in range(samples)) / samples
+def posterior_average(
+    mean: torch.Tensor, log_var: torch.Tensor, samples: int, generator: torch.Generator
+) -> torch.Tensor:
+    """The mean of ``samples`` draws from ``N(mean, exp(log_var))`` (a self-merge), in float64;
+    ``samples`` 0 gives the posterior mean itself."""
+    if samples < 0:
+        raise LmcError(f"the number of posterior samples cannot be negative ({samples})")
+    mean = mean.double()
+    if samples == 0:
+        return mean
+    noise = torch.randn((samples, *mean.shape), generator=generator, dtype=torch.float64)
+    return mean + noise.mean(0) * (0.5 * log_var.double()).exp()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, load_autoencoder
 from lmc_mergekit.latent.chunks import Normalisation
 from lmc_mergekit.latent.codec import decode_latents
+from lmc_mergekit.latent.merging import posterior_average, weighted_average
 from lmc_mergekit.latent.store import open_store
 from lmc_mergekit.models.layout import KeyLayout, checkpoint_layout
 
@@ -54,40 +55,31 @@ def merge_key(
     autoencoders = {store.autoencoder for store in stores}
     if len(autoencoders) > 1:
         raise LmcError("ls_merge inputs were encoded by different autoencoders; re-run the recipe")
-    total = sum(weights) if normalize else 1.0
-    if total == 0:
-        raise LmcError(f"the ls_merge weights of {key!r} sum to zero")
-    merged_latents, merged_stats = 0.0, 0.0
-    for index, (store, weight) in enumerate(zip(stores, weights, strict=True)):
-        latents, stats = store.get(key)
-        merged_latents = merged_latents + weight / total * _draw(latents, samples, seed, key, index)
-        merged_stats = merged_stats + weight / total * stats
+    latents, stats = zip(*(store.get(key) for store in stores), strict=True)
+    draws = [
+        posterior_average(z[0], z[1], samples, _generator(seed, key, index))
+        for index, z in enumerate(latents)
+    ]
     autoencoder = autoencoder_at(str(autoencoders.pop()), str(device))
-    layout = prepared_layout(folders[0])[key]
-    merged = decode_key(autoencoder, layout, merged_latents, merged_stats)
+    merged = decode_key(
+        autoencoder,
+        prepared_layout(folders[0])[key],
+        weighted_average(draws, weights, normalize),
+        weighted_average(list(stats), weights, normalize),
+    )
     if residuals:
-        merged = merged + _residual(key, stores, weights, normalize)
+        found = [(store.residual(key), w) for store, w in zip(stores, weights, strict=True)]
+        found = [(residual, w) for residual, w in found if residual is not None]
+        # All weight on transported sources: there is no residual to add.
+        if found and sum(w for _, w in found) != 0:
+            residual, weight = zip(*found, strict=True)
+            merged = merged + weighted_average(list(residual), list(weight), normalize)
     return merged
 
 
-def _residual(key: str, stores, weights: list[float], normalize: bool) -> torch.Tensor:
-    """The weighted average of the inputs' reconstruction residuals of ``key``."""
-    found = [(store.residual(key), w) for store, w in zip(stores, weights, strict=True)]
-    found = [(residual.double(), w) for residual, w in found if residual is not None]
-    total = sum(w for _, w in found) if normalize else 1.0
-    if total == 0:  # all weight on transported sources: nothing to correct with
-        return torch.zeros(())
-    return sum(w / total * residual for residual, w in found)
-
-
-def _draw(latents: torch.Tensor, samples: int, seed: int, key: str, index: int) -> torch.Tensor:
-    """The posterior mean (``samples`` 0) or the mean of ``samples`` posterior draws."""
-    mean, log_var = latents[0].double(), latents[1].double()
-    if samples == 0:
-        return mean
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()) + index)
-    noise = torch.randn((samples, *mean.shape), generator=generator, dtype=torch.float64)
-    return mean + noise.mean(0) * (0.5 * log_var).exp()
+def _generator(seed: int, key: str, index: int) -> torch.Generator:
+    """One seeded stream per recipe seed, tensor and input."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()) + index)
 
 
 @cache

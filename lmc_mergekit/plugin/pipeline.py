@@ -129,7 +129,7 @@ def prepare_inputs(
     lives next to the entry until the pass succeeds."""
     method = recipe.plugin_method.name
     inputs = recipe_inputs(recipe.config, method)
-    key = cache_key(method, recipe.settings, inputs)
+    key = cache_key(method, recipe.settings, inputs + recipe.settings.dependencies())
     entry = cache_dir / method / key
     state_dir = cache_dir / method / f".{key}.state"
     outputs = [entry / f"model-{i}" for i in range(len(inputs))]

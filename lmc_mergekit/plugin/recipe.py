@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import yaml
@@ -27,6 +28,11 @@ class Section(BaseModel):
     def merge_parameters(self) -> dict:
         """Parameters this section passes to the registered mergekit method."""
         return {}
+
+    def dependencies(self) -> list[Path]:
+        """Folders besides the merged models whose files the pre-merge pass reads (part of its
+        cache key)."""
+        return []
 
 
 class TextSettings(Section):
@@ -237,6 +243,14 @@ class LatentSettings(TextSettings):
                 f"per chunk of {self.chunk_size}"
             )
         return self
+
+    def dependencies(self) -> list[Path]:
+        from lmc_mergekit.models.checkpoint import model_dir
+
+        folders = [model_dir(path) for path in self.extra_models]
+        if self.autoencoder is not None and Path(self.autoencoder).expanduser().is_file():
+            folders.append(Path(self.autoencoder).expanduser().resolve().parent)
+        return folders
 
     def merge_parameters(self) -> dict:
         """mergekit parameters of the ``ls_merge`` method that this section sets."""
