@@ -1,6 +1,6 @@
 """One checkpoint tensor merged in latent space and decoded: what the ``ls_merge`` method
-computes for each tensor inside mergekit's executor (and the pre-merge pass for each input's
-plain encode–decode)."""
+computes for each tensor inside mergekit's executor (the pre-merge pass decodes what it wrote
+the same way to check it)."""
 
 from __future__ import annotations
 
