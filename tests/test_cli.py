@@ -97,13 +97,14 @@ def test_lmc_dm_pipeline_with_cache_and_card(tmp_path):
     assert provenance["method"] == "lmc_dm" and provenance["source"] == str(a)
 
 
-def test_plugin_methods_refuse_raw_inputs_under_plain_mergekit(tmp_path):
+@pytest.mark.parametrize("method", ["lmc_dm", "subclone_compensate", "ls_merge"])
+def test_plugin_methods_refuse_raw_inputs_under_plain_mergekit(tmp_path, method):
     from mergekit.config import MergeConfiguration
     from mergekit.merge import MergeOptions, run_merge
 
     a, b = two_models("llama", tmp_path)
-    config = MergeConfiguration.model_validate(linear_recipe(a, b, "lmc_dm"))
-    with pytest.raises(Exception, match="did not come out of lmc_dm's pre-merge pass"):
+    config = MergeConfiguration.model_validate(linear_recipe(a, b, method))
+    with pytest.raises(Exception, match=f"did not come out of {method}'s pre-merge pass"):
         run_merge(config, str(tmp_path / "out"), MergeOptions(quiet=True, write_model_card=False))
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.chunks import model_tensors
@@ -99,7 +100,9 @@ def run(ctx: PassContext) -> None:
             }
         )
         outputs = [out if run_index == 0 else out / NOISE_DIR for out in ctx.outputs]
-        prepared = _prepare(autoencoder, path, views, tensors, layouts, outputs, kind, settings)
+        prepared = _prepare(
+            autoencoder, path, views, tensors, layouts, outputs, kind, settings, progress
+        )
         if run_index == 0:
             entries, transport = prepared
         else:  # the pipeline marks only the main prepared folders
@@ -162,13 +165,14 @@ def _merge_kind(views, ctx: PassContext) -> str:
     return "heterogeneous"
 
 
-def _prepare(autoencoder, path, views, tensors, layouts, outputs, kind, settings):
+def _prepare(autoencoder, path, views, tensors, layouts, outputs, kind, settings, progress):
     """Encode each input, write its prepared folder, and return a report entry per input and
     (heterogeneous) the transport record."""
     entries, transport, target = [], None, None
     for index, (view, named, out) in enumerate(zip(views, tensors, outputs, strict=True)):
         started = time.perf_counter()
-        encoded = {(t.kind, t.layer): encode_tensor(autoencoder, t) for t in named}
+        bar = tqdm(named, desc=f"encoding {view.folder.name}", disable=not progress)
+        encoded = {(t.kind, t.layer): encode_tensor(autoencoder, t) for t in bar}
         decoded = {key: decode_tensor(autoencoder, code) for key, code in encoded.items()}
         reconstruction = {
             f"{t.kind}@{t.layer}": relative_error(t.tensor, decoded[(t.kind, t.layer)])
