@@ -148,6 +148,19 @@ def test_merge_happens_in_mergekit_with_per_tensor_weights(pair, tmp_path):
     assert "Latent-space merge" in card and "Noise floor" in card
 
 
+def test_bfloat16_checkpoints_merge_and_stay_bfloat16(tmp_path):
+    folders = []
+    for seed in (0, 1):
+        folder = model_with_tokenizer(tmp_path / f"m{seed}", "llama", seed=seed)
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(folder)
+        folders.append(folder)
+    recipe = recipe_for(*folders, evaluate=False)
+    recipe["dtype"] = "bfloat16"
+    out = tmp_path / "merged"
+    merged_ok(run_yaml(recipe, tmp_path, out), out)
+    assert {t.dtype for t in tensors(out).values()} == {torch.bfloat16}
+
+
 def test_second_recipe_over_the_same_models_reuses_the_autoencoder(pair, tmp_path):
     a, b = pair
     first = merged_ok(run_yaml(recipe_for(a, b), tmp_path, tmp_path / "one"), tmp_path / "one")
@@ -344,6 +357,14 @@ def test_heterogeneous_pair_without_a_layer_mapping_is_refused(tmp_path):
     out = tmp_path / "out"
     result = run_yaml(recipe_for(target, source, base=target), tmp_path, out)
     refused(result, out, "no layer mapping", "_bias")
+
+
+def test_heterogeneous_pair_with_different_vocabularies_is_refused(tmp_path):
+    target = model_with_tokenizer(tmp_path / "t", "llama")
+    source = build_model("llama", tmp_path / "s", hidden_size=32)  # the tiny 96-token vocabulary
+    out = tmp_path / "out"
+    result = run_yaml(recipe_for(target, source, base=target), tmp_path, out)
+    refused(result, out, "vocabulary of 96", "one tokenizer")
 
 
 def test_an_autoencoder_that_does_not_fit_is_refused(pair, tmp_path):

@@ -157,11 +157,13 @@ def _merge_kind(views, ctx: PassContext) -> str:
             f"models of different shapes ({key} {a} in {views[0].folder.name}, {b} in "
             f"{view.folder.name}) need a heterogeneous merge: name the target as base_model"
         )
-    if key == "vocab_size":
-        raise LmcError(
-            f"{view.folder.name} has a vocabulary of {b}, the target {a}; a heterogeneous merge "
-            "needs models that share one tokenizer"
-        )
+    for view in views[1:]:
+        if view.spec.vocab_size != views[0].spec.vocab_size:
+            raise LmcError(
+                f"{view.folder.name} has a vocabulary of {view.spec.vocab_size}, the target "
+                f"{views[0].spec.vocab_size}; a heterogeneous merge needs models that share one "
+                "tokenizer"
+            )
     return "heterogeneous"
 
 
@@ -253,7 +255,8 @@ def _check_written(out: Path, autoencoder, layout, originals, residuals: bool) -
     for key, key_layout in layout.items():
         latents, stats = store.get(key)
         decoded = decode_key(autoencoder, key_layout, latents[0], stats)
-        error = _distance(written.get(key).double(), decoded)
+        stored = written.get(key)  # in the input's dtype: compare at that precision
+        error = _distance(stored.double(), decoded.to(stored.dtype).double())
         if residuals:
             pieces = [originals[(p.kind, p.layer)].double() for p in key_layout.pieces]
             rebuilt = decoded + store.residual(key).double()
