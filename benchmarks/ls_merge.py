@@ -129,18 +129,13 @@ def experts(args) -> None:
             out = run(recipe, work / f"latent-{seed}-{keep}", args.cache)
             notes.append(training_line(out))
             if not keep:
-                for index, name in enumerate(texts):
-                    row(f"{name} expert encoded–decoded (seed {seed})", prepared(args, index))
+                report = json.loads((out / "ls_report.json").read_text())
+                for name, entry in zip(texts, report["inputs"], strict=True):
+                    row(f"{name} expert encoded–decoded (seed {seed})", Path(entry["prepared"]))
             label = "residuals kept" if keep else "plain decode"
             row(f"ls_merge, {label} (autoencoder seed {seed})", out)
             shutil.rmtree(out)
     print("\n".join(dict.fromkeys(line for line in notes if line)))
-
-
-def prepared(args, index: int) -> Path:
-    """The prepared folder of input ``index`` of the latest ls_merge recipe run."""
-    entries = (args.cache / "ls_merge").glob("*/complete.json")
-    return max(entries, key=lambda p: p.stat().st_mtime).parent / f"model-{index}"
 
 
 def self_merge(args) -> None:

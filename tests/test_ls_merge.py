@@ -66,11 +66,9 @@ def merged_ok(result, out: Path) -> dict:
     return json.loads((out / "ls_report.json").read_text())
 
 
-def prepared_folders(report: dict, cache: Path) -> list[Path]:
-    """The prepared folder of each input (from the cache entry the recipe used)."""
-    entries = sorted((cache / "ls_merge").glob("*/complete.json"), key=lambda p: p.stat().st_mtime)
-    entry = entries[-1].parent
-    return [entry / f"model-{i}" for i in range(len(report["inputs"]))]
+def prepared_folders(report: dict) -> list[Path]:
+    """The prepared folder of each input, as the report names it."""
+    return [Path(entry["prepared"]) for entry in report["inputs"]]
 
 
 @pytest.fixture
@@ -109,7 +107,7 @@ def test_merge_happens_in_mergekit_with_per_tensor_weights(pair, tmp_path):
     out = tmp_path / "merged"
     report = merged_ok(run_yaml(recipe, tmp_path, out), out)
     merged, original_a = tensors(out), tensors(a)
-    prepared = prepared_folders(report, tmp_path / "lmc-cache")
+    prepared = prepared_folders(report)
     decoded_a = tensors(prepared[0])
     # With the residuals kept (the default), all weight on a gives a's own weights back.
     mlp = "model.layers.1.mlp.down_proj.weight"
@@ -231,7 +229,7 @@ def test_heterogeneous_merge_decodes_with_the_target_shapes(tmp_path):
     merged, original = tensors(out), tensors(target)
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in original.items()}
     # λ = 0 gives the target back (residual kept), or its plain encode–decode (not kept).
-    decoded_target = tensors(prepared_folders(report, tmp_path / "lmc-cache")[0])
+    decoded_target = tensors(prepared_folders(report)[0])
     for keep, expected in ((True, original), (False, decoded_target)):
         zero = tmp_path / f"zero-{keep}"
         recipe = recipe_for(

@@ -30,6 +30,7 @@ from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
 from lmc_mergekit.models.layout import checkpoint_layout
+from lmc_mergekit.models.view import materialize
 from lmc_mergekit.passes.autoencoder_cache import check_fits, obtain_autoencoder
 from lmc_mergekit.passes.context import FinishContext, PassContext, pass_device
 from lmc_mergekit.passes.recipe_data import (
@@ -63,10 +64,13 @@ def run(ctx: PassContext) -> None:
     test = load_test_split(ctx.inputs, settings, EVALUATE_FIX)
     device = pass_device(ctx.options)
     progress = not ctx.options.quiet
-    tensors = [model_tensors(view) for view in views]
+    loaded = [materialize(view) for view in views]  # read once: for encoding and the layout
+    tensors = [model_tensors(part) for part in loaded]
     training_tensors = [t for named in tensors for t in named]
     training_tensors += [t for view in extra for t in model_tensors(view)]
-    layouts = [checkpoint_layout(view.adapter, view) for view in views]
+    layouts = [
+        checkpoint_layout(view.adapter, part) for view, part in zip(views, loaded, strict=True)
+    ]
     if kind == "heterogeneous":  # before any training: every target tensor needs a source
         for view, named in zip(views[1:], tensors[1:], strict=True):
             check_mapping(
@@ -280,13 +284,15 @@ def finish(ctx: FinishContext) -> str:
     report = add_merged_loss(ctx, REPORT_FILE, LatentSettings, EVALUATE_FIX)
     if report is None:
         return ""
+    for entry in report["inputs"]:  # where this merge's prepared checkpoints are
+        entry["prepared"] = str(ctx.prepared[entry["model"]])
     settings = LatentSettings.model_validate(report["settings"])
     test = load_test_split(ctx.inputs, settings, EVALUATE_FIX)
     if test is not None:
         sequences = test[0]
         report["weight_average"] = _weight_average(ctx, report, sequences)
         report["noise_floor"] = _noise_floor(ctx, report, sequences)
-        (ctx.folder / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    (ctx.folder / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
     return card_section(report)
 
 
