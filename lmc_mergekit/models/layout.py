@@ -54,7 +54,7 @@ def checkpoint_layout(adapter, view: ModelView) -> dict[str, KeyLayout]:
     spec = view.spec
     pieces: list[Piece] = []
     starts: list[int] = []
-    values: list[torch.Tensor] = []
+    values: dict[Piece, torch.Tensor] = {}
     layouts: dict[str, KeyLayout] = {}
 
     def marked(part, prefix: str, layer: int):
@@ -62,7 +62,7 @@ def checkpoint_layout(adapter, view: ModelView) -> dict[str, KeyLayout]:
             start = starts[-1] + pieces[-1].numel if pieces else 0
             pieces.append(Piece(prefix + name, layer, tuple(tensor.shape)))
             starts.append(start)
-            values.append(tensor)
+            values[pieces[-1]] = tensor
             return torch.arange(start, start + tensor.numel(), dtype=torch.float64).reshape(
                 tensor.shape
             )
@@ -72,7 +72,7 @@ def checkpoint_layout(adapter, view: ModelView) -> dict[str, KeyLayout]:
     def add(real: dict[str, torch.Tensor], markers: dict[str, torch.Tensor]) -> None:
         for key, marker in markers.items():
             layouts[key] = _key_layout(key, marker, pieces, starts)
-            rebuilt = layouts[key].assemble([values[pieces.index(p)] for p in layouts[key].pieces])
+            rebuilt = layouts[key].assemble([values[piece] for piece in layouts[key].pieces])
             if not torch.equal(rebuilt, real[key]):
                 raise LmcError(
                     f"{type(adapter).__name__} writes {key!r} as more than a rearrangement of "
