@@ -29,14 +29,12 @@ from pathlib import Path
 import torch
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
-from lmc_mergekit.matching import match_weights
+from lmc_mergekit.matching.align import AlignConfig, functional_model, match_all, moved
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.functional import FunctionalModel
-from lmc_mergekit.models.view import materialize
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.symmetry.parametrize import FAMILIES
 from lmc_mergekit.zoo import build_zoo
 
@@ -50,16 +48,11 @@ class Setup:
         self.folders = build_zoo(args.zoo, arch, args.hidden, args.layers, seeds, args.zoo_steps)
         views = [open_model(folder) for folder in self.folders]
         start = time.perf_counter()
-        absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
-        matched = [absorb] + [match_weights(views[0], v).transform for v in views[1:]]
+        matched, _ = match_all(views, AlignConfig())  # what the lmc_dm pass runs
         self.matching_seconds = time.perf_counter() - start
-        self.raw = [materialize(apply_transform(v, absorb)) for v in views]
-        self.endpoints = [
-            materialize(apply_transform(v, t)) for v, t in zip(views, matched, strict=True)
-        ]
-        self.model = FunctionalModel(
-            self.folders[0], views[0].adapter, self.endpoints[0].spec, torch.device("cpu")
-        )
+        self.raw = moved(views, [matched[0]] * len(views))  # norms absorbed, nothing else
+        self.endpoints = moved(views, matched)
+        self.model = functional_model(views[0], self.endpoints[0].spec, torch.device("cpu"))
         tokenizer = load_tokenizer(self.folders)
         config = DataConfig(seq_len=128)
         self.train = load_split(config, tokenizer, "train", 4096)
@@ -94,11 +87,7 @@ class Setup:
             progress=True,
             on_checkpoint=on_checkpoint,
         )
-        return [moved(e, t) for e, t in zip(endpoints, result.transforms, strict=True)], result
-
-
-def moved(endpoint, transform):
-    return materialize(apply_transform(endpoint, transform))
+        return moved(endpoints, result.transforms), result
 
 
 def cmd_time(args) -> None:
@@ -124,7 +113,7 @@ def cmd_time(args) -> None:
             if step not in checkpoints:
                 return
             tick = time.perf_counter()
-            ends = [moved(e, t) for e, t in zip(setup.endpoints, transforms, strict=True)]
+            ends = moved(setup.endpoints, transforms)
             barrier = setup.barrier(ends)
             seconds = tick - clock["start"] - clock["eval"] + setup.matching_seconds
             clock["eval"] += time.perf_counter() - tick
@@ -236,9 +225,8 @@ def cmd_step_worker(args) -> None:
             optimizer.step()
     else:
         views = [open_model(f) for f in folders]
-        absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
-        ends = [materialize(apply_transform(v, absorb)) for v in views]
-        model = FunctionalModel(folders[0], views[0].adapter, ends[0].spec, torch.device("cpu"))
+        ends = moved(views, [Transform(views[0].spec.num_layers, absorb_norms=True)] * 2)
+        model = functional_model(views[0], ends[0].spec, torch.device("cpu"))
         objective = InterpolationObjective(
             ends, [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)], model
         )

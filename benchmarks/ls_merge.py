@@ -24,7 +24,6 @@ to end; the autoencoder's training time and throughput come from the runs' repor
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.passes.ls_merge import LatentReport
 from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.pipeline import run_recipe_file
 from lmc_mergekit.zoo.train import continue_training
@@ -62,7 +62,7 @@ def latent_recipe(models: list[Path], weights: list[float], args, seed: int, **e
 
 
 def training_line(out: Path) -> str:
-    record = json.loads((out / "ls_report.json").read_text())["autoencoders"][0]["record"]
+    record = LatentReport.read(out / LatentReport.file_name).autoencoders[0].record
     if record["source"] == "cache":
         return ""
     return (
@@ -129,9 +129,9 @@ def experts(args) -> None:
             out = run(recipe, work / f"latent-{seed}-{keep}", args.cache)
             notes.append(training_line(out))
             if not keep:
-                report = json.loads((out / "ls_report.json").read_text())
-                for name, entry in zip(texts, report["inputs"], strict=True):
-                    row(f"{name} expert encoded–decoded (seed {seed})", Path(entry["prepared"]))
+                report = LatentReport.read(out / LatentReport.file_name)
+                for name, entry in zip(texts, report.inputs, strict=True):
+                    row(f"{name} expert encoded–decoded (seed {seed})", Path(entry.prepared))
             label = "residuals kept" if keep else "plain decode"
             row(f"ls_merge, {label} (autoencoder seed {seed})", out)
             shutil.rmtree(out)

@@ -13,13 +13,13 @@ CPU cores the first time.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import yaml
 from mergekit.options import MergeOptions
 
+from lmc_mergekit.passes.lmc_dm import AlignmentReport
 from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.pipeline import run_recipe_file
 from lmc_mergekit.zoo import build_zoo
@@ -49,18 +49,18 @@ def main() -> None:
         path = work / f"{arch}.yml"
         path.write_text(yaml.safe_dump(recipe))
         out = run_recipe_file(path, work / arch, MergeOptions(quiet=True), work / "cache")
-        report = json.loads((out / "lmc_report.json").read_text())
-        pair = report["pairs"][0]
-        raw, aligned = pair["raw"]["barrier"], pair["matched"]["barrier"]
+        report = AlignmentReport.read(out / AlignmentReport.file_name)
+        pair, match = report.pairs[0], report.matching[0]
+        raw, aligned = pair.raw.barrier, pair.matched.barrier
         rows.append(
             (
                 f"{arch} d={args.hidden} L={args.layers} {args.steps} steps",
-                "{:.3f} / {:.3f}".format(*pair["raw"]["endpoint_losses"]),
+                "{:.3f} / {:.3f}".format(*pair.raw.endpoint_losses),
                 f"{raw:.3f}",
                 f"{aligned:.3f}",
                 f"{100 * (1 - aligned / raw):.0f} %",
-                f"{report['matching'][0]['seconds']:.1f} s ({report['matching'][0]['iterations']})",
-                f"{report['merged']['test_loss']:.3f}",
+                f"{match['seconds']:.1f} s ({match['iterations']})",
+                f"{report.merged.test_loss:.3f}",
             )
         )
     header = (

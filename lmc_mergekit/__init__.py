@@ -1,13 +1,10 @@
 """lmc-mergekit: a mergekit plugin for merges that weight averaging alone cannot do.
 
-Importing the package registers ``lmc_dm``, ``subclone_compensate`` and ``ls_merge`` in mergekit's
-method registry and repairs mergekit 0.1.5's GPT-NeoX architecture definition.
+Importing the package (or any of its math: ``lmc_mergekit.symmetry``, ``lmc_mergekit.matching``,
+...) changes nothing in mergekit. The plugin is used through ``lmc-mergekit-yaml``, or in Python
+by importing :mod:`lmc_mergekit.plugin`, which registers ``lmc_dm``, ``subclone_compensate``
+and ``ls_merge`` in mergekit's method registry and repairs mergekit 0.1.5's architecture
+definitions that current checkpoints do not match.
 """
 
-from lmc_mergekit.plugin.gpt_neox_fix import repair_gpt_neox
-from lmc_mergekit.plugin.methods import register_methods
-
-__version__ = "0.2.0"
-
-register_methods()
-repair_gpt_neox()
+__version__ = "0.3.0"

@@ -8,7 +8,7 @@ from lmc_mergekit.evaluation.selfcheck import check_same_function
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.view import ModelSpec
-from lmc_mergekit.staging import staged_output
+from lmc_mergekit.runtime.publish import staged_folder
 from lmc_mergekit.symmetry import Transform, apply_transform
 
 
@@ -31,7 +31,7 @@ def transform_checkpoint(
     """
     view = open_model(source, trust_remote_code)
     moved = apply_transform(view, transform)
-    with staged_output(out, overwrite) as staging:
+    with staged_folder(out, "replace" if overwrite else "refuse") as staging:
         spec = view.adapter.save(moved, staging, view.folder, max_shard_size, progress)
         error = check_same_function(view.folder, staging, tolerance, trust_remote_code)
     return spec, error

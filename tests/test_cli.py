@@ -113,9 +113,9 @@ def test_registration_is_idempotent():
 
     from mergekit import merge_methods
 
-    import lmc_mergekit
+    import lmc_mergekit.plugin
 
-    importlib.reload(lmc_mergekit)
+    importlib.reload(lmc_mergekit.plugin)
     names = [m.spec.name for m in merge_methods.registered_methods()]
     assert all(names.count(n) == 1 for n in ("lmc_dm", "subclone_compensate", "ls_merge"))
 
@@ -178,20 +178,21 @@ def test_shipped_recipes_parse(recipe):
     from lmc_mergekit.plugin.recipe import parse_recipe
 
     parsed = parse_recipe(recipe.read_text())
-    assert parsed.plugin_method is None or parsed.settings is not None
+    assert parsed.method is None or parsed.settings is not None
 
 
 def test_staged_output_appears_whole_with_the_usual_permissions(tmp_path):
     import os
 
-    from lmc_mergekit.staging import staged_output
+    from lmc_mergekit.runtime.publish import staged_folder
 
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError), staged_output(out) as staging:
+    with pytest.raises(RuntimeError), staged_folder(out) as staging:
         (staging / "half.txt").write_text("x")
         raise RuntimeError("interrupted")
     assert not out.exists() and not list(tmp_path.iterdir())
-    with staged_output(out) as staging:
+    with staged_folder(out) as staging:
+        assert staging.name == out.name  # mergekit titles its card after the folder it writes
         (staging / "whole.txt").write_text("x")
     mask = os.umask(0)
     os.umask(mask)

@@ -408,7 +408,7 @@ def test_several_donors_are_converted_then_averaged(trained_pair, tmp_path):
     result = run_yaml(recipe, tmp_path, out)
     assert result.exit_code == 0, result.output
     cache = Path(tmp_path / "lmc-cache" / "subclone_compensate")
-    (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    (entry,) = [p.parent for p in cache.glob("*/preparation.json")]
     a, b = (tensors(entry / f"model-{i}") for i in (0, 1))
     merged = tensors(out)
     assert merged.keys() == a.keys()

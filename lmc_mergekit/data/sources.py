@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lmc_mergekit.data.corpus import bundled_text_files
 from lmc_mergekit.errors import LmcError
 
 TEXT_PIECE_CHARS = 1 << 20
@@ -48,8 +49,6 @@ def iter_texts(source: str | Path | None, field: str = "text") -> Iterator[str]:
 
 
 def _iter_bundled() -> Iterator[str]:
-    from lmc_mergekit.data import bundled_text_files  # here: the package imports this module
-
     for path in bundled_text_files():
         yield from _iter_text_file(path)
 

@@ -8,22 +8,24 @@ linearly connected basin, large when their plain average is a worse model than e
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import ConfigDict, computed_field
 from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.runtime.records import Record
 
 DEFAULT_POINTS = 11
 
 
-@dataclass(frozen=True)
-class PathLoss:
+class PathLoss(Record):
     """Losses on an evenly spaced λ grid from A (λ=0) to B (λ=1)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     lambdas: tuple[float, ...]
     losses: tuple[float, ...]
@@ -33,10 +35,17 @@ class PathLoss:
     def endpoint_mean(self) -> float:
         return (self.losses[0] + self.losses[-1]) / 2
 
+    @computed_field
     @property
     def barrier(self) -> float:
         """``max_λ L(λ) - (L(0) + L(1)) / 2``."""
         return max(self.losses) - self.endpoint_mean
+
+    @computed_field
+    @property
+    def endpoint_losses(self) -> tuple[float, float]:
+        """``L(0)`` and ``L(1)``."""
+        return self.losses[0], self.losses[-1]
 
     def loss_at(self, lam: float) -> float:
         """The loss at a grid point (raises unless ``lam`` is on the grid)."""
@@ -44,15 +53,6 @@ class PathLoss:
             if abs(grid_lam - lam) < 1e-9:
                 return loss
         raise LmcError(f"λ={lam} is not on the evaluated grid {list(self.lambdas)}")
-
-    def to_dict(self) -> dict:
-        return {
-            "lambdas": list(self.lambdas),
-            "losses": list(self.losses),
-            "barrier": self.barrier,
-            "endpoint_losses": [self.losses[0], self.losses[-1]],
-            "tokens": self.tokens,
-        }
 
 
 def lambda_grid(points: int) -> tuple[float, ...]:
@@ -108,7 +108,7 @@ def _matching_state(start: dict, end: dict, model_a, model_b) -> dict:
 def write_path_json(path: Path, curves: dict[str, PathLoss], extra: dict | None = None) -> None:
     """The curves (and any extra fields) as JSON."""
     payload = dict(extra or {})
-    payload["curves"] = {label: curve.to_dict() for label, curve in curves.items()}
+    payload["curves"] = {label: curve.model_dump(mode="json") for label, curve in curves.items()}
     path.write_text(json.dumps(payload, indent=2), encoding="utf-8")
 
 

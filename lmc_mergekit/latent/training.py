@@ -9,7 +9,6 @@ rare large weights, which an over-regularised Gaussian fit would flatten.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +20,8 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import AutoencoderConfig, WeightAutoencoder, Windows
 from lmc_mergekit.latent.chunks import NamedTensor, to_chunks
+from lmc_mergekit.runtime.resumable import load_state, save_state
+from lmc_mergekit.runtime.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -66,16 +67,12 @@ def train_autoencoder(
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=0.0)
     warmup = max(1, training.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: _lr_factor(step, warmup, training.steps)
+        optimizer, lambda step: warmup_cosine(step, training.steps, warmup)
     )
     first_stage = round(training.autoencoder_fraction * training.steps)
     history, started, start = [], time.perf_counter(), 0
     identity = {"config": config.to_json(), "training": asdict(training)}
-    state = None
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if state.get("identity") != identity:
-            state = None  # a checkpoint of another run: start afresh
+    state = load_state(checkpoint, identity)  # None also for a checkpoint of another run
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -107,9 +104,16 @@ def train_autoencoder(
         if step % 10 == 0 or step == training.steps - 1:
             bar.set_postfix(huber=f"{history[-1][0]:.4f}", kl=f"{history[-1][1]:.2f}")
         if checkpoint is not None and (step + 1) % checkpoint_every == 0:
-            _save_state(
-                checkpoint, identity, model, optimizer, schedule, generator, history, step + 1
-            )
+            snapshot = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(),
+                "generator": generator.get_state(),
+                "rng": torch.get_rng_state(),
+                "history": history,
+                "step": step + 1,
+            }
+            save_state(checkpoint, identity, snapshot)
     seconds = time.perf_counter() - started
     chunks_per_window = float(bank.valid.sum()) / len(kinds)
     model.eval()
@@ -131,26 +135,6 @@ def train_autoencoder(
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)
     return model, record
-
-
-def _save_state(
-    path: Path, identity, model, optimizer, schedule, generator, history, step: int
-) -> None:
-    """Write the training state atomically (an interrupted write leaves the last one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        "identity": identity,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-        "generator": generator.get_state(),
-        "rng": torch.get_rng_state(),
-        "history": history,
-        "step": step,
-    }
-    partial = path.with_suffix(".partial")
-    torch.save(state, partial)
-    partial.replace(path)
 
 
 def _window_bank(model, tensors, device) -> tuple[Windows, torch.Tensor, torch.Tensor]:
@@ -178,12 +162,6 @@ def _batch_loss(model, windows: Windows, kinds, layers, variational: bool, train
     mean, log_var = mean[valid], log_var[valid]
     kl = 0.5 * (mean**2 + log_var.exp() - 1 - log_var).mean()
     return reconstruction, kl
-
-
-def _lr_factor(step: int, warmup: int, steps: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
 def _mean_tail(values: list[float], count: int = 20) -> float | None:

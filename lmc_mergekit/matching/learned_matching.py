@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,11 +27,13 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from lmc_mergekit.distributed import Processes
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.models.functional import FunctionalModel
 from lmc_mergekit.models.view import InMemoryView
+from lmc_mergekit.runtime.distributed import Processes
+from lmc_mergekit.runtime.resumable import load_state, save_state
+from lmc_mergekit.runtime.schedule import warmup_cosine
 from lmc_mergekit.symmetry.parametrize import FAMILIES, LearnedSymmetry, Parametrization
 from lmc_mergekit.symmetry.transform import Transform
 
@@ -105,10 +106,7 @@ def mixing_weights(count: int, sampler: Sampler, generator: torch.Generator) -> 
 def learning_rate(step: int, config: LearningConfig) -> float:
     """Linear warm-up over ``warmup`` of the steps, then cosine decay to zero."""
     warmup = max(1, round(config.warmup * config.steps))
-    if step < warmup:
-        return config.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, config.steps - warmup)
-    return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
+    return config.lr * warmup_cosine(step, config.steps, warmup)
 
 
 def learn_symmetries(
@@ -277,16 +275,11 @@ class _State:
         self.rollbacks, self.lr_scale = rollbacks, scale
 
     def save(self, path: Path, snapshot: dict, config: LearningConfig) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        torch.save({"config": asdict(config), **snapshot}, partial)
-        os.replace(partial, path)  # a kill mid-write leaves the previous checkpoint intact
+        save_state(path, asdict(config), snapshot)
 
     def load(self, path: Path, config: LearningConfig) -> int | None:
-        if not path.is_file():
+        saved = load_state(path, asdict(config))  # None also when the settings changed
+        if saved is None:
             return None
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-        if saved.get("config") != asdict(config):
-            return None  # settings changed: start over
         self.restore(saved)
         return self.step

@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 from mergekit.io import TensorWriter
 from mergekit.io.lazy_tensor_loader import LazyTensorLoader, ShardedTensorIndex
+from safetensors import SafetensorError, safe_open
 
 from lmc_mergekit.errors import LmcError
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Files that travel with a checkpoint and that no transform changes.
 TAGALONG_FILES = (
     "tokenizer.json",
@@ -40,9 +42,77 @@ def model_dir(path: str | Path) -> Path:
 
 
 def read_config(folder: Path) -> dict:
-    """The raw config.json of a checkpoint folder."""
-    with open(folder / "config.json", encoding="utf-8") as fp:
-        return json.load(fp)
+    """The raw config.json of a checkpoint folder, or a one-line error if it is not JSON."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise LmcError(
+            f"{path} is not valid JSON ({error}); repair it or save the checkpoint again"
+        ) from None
+    if not isinstance(config, dict):
+        raise LmcError(f"{path} is not a JSON object; repair it or save the checkpoint again")
+    return config
+
+
+def check_checkpoint(folder: Path) -> None:
+    """A one-line error unless ``folder``'s config.json and every safetensors file it has (or
+    its index names) can be read: caught before any work instead of half-way through it."""
+    read_config(folder)
+    index_path = folder / SAFETENSORS_INDEX
+    shards = sorted(folder.glob("*.safetensors"))
+    expected: dict[str, set[str]] = {}
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            for name, shard in weight_map.items():
+                expected.setdefault(shard, set()).add(name)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise LmcError(
+                f"{index_path} is not a valid safetensors index (JSON with a weight_map); "
+                "repair it or save the checkpoint again"
+            ) from None
+        for shard in sorted(expected):
+            if not (folder / shard).is_file():
+                raise LmcError(
+                    f"{index_path.name} in {folder} names the shard {shard!r}, which is "
+                    "missing; copy the whole checkpoint again"
+                )
+        shards = [folder / shard for shard in sorted(expected)]
+    for shard in shards:
+        names = _safetensors_names(shard)
+        missing = sorted(expected.get(shard.name, set()) - names)
+        if missing:
+            raise LmcError(
+                f"{shard} lacks {missing[0]!r}, which {SAFETENSORS_INDEX} puts there; "
+                "copy the whole checkpoint again"
+            )
+
+
+def _safetensors_names(path: Path) -> set[str]:
+    """The tensor names in a safetensors file's header, or a one-line error if it is corrupt."""
+    try:
+        with safe_open(str(path), "pt") as fp:
+            return set(fp.keys())
+    except (SafetensorError, OSError) as error:
+        raise LmcError(
+            f"{path} is not a readable safetensors file ({str(error).splitlines()[0]}); it is "
+            "truncated or corrupt: copy or save the checkpoint again"
+        ) from None
+
+
+def first_non_finite(folder: Path) -> tuple[str, int] | None:
+    """The first floating tensor of the checkpoint in ``folder`` that holds NaN or Inf values,
+    and how many; None when every value is finite. Reads one tensor at a time."""
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as fp:
+            for name in fp.keys():
+                tensor = fp.get_tensor(name)
+                if tensor.is_floating_point():
+                    bad = int((~torch.isfinite(tensor)).sum())
+                    if bad:
+                        return name, bad
+    return None
 
 
 class CheckpointReader:

@@ -7,10 +7,7 @@ so a second recipe over the same models reuses one instead of training again.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,16 +17,15 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, load_autoencoder, save_autoencoder
 from lmc_mergekit.latent.chunks import NamedTensor
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
-from lmc_mergekit.plugin.cache import fingerprint
-from lmc_mergekit.plugin.recipe import LatentSettings
+from lmc_mergekit.runtime.keys import content_key, fingerprint
+from lmc_mergekit.runtime.publish import staged_folder
 
 AUTOENCODER_FILE = "autoencoder.safetensors"
 RECORD_FILE = "training.json"
 
 
 def obtain_autoencoder(
-    settings: LatentSettings,
-    seed: int,
+    settings,
     models: list[Path],
     tensors: list[NamedTensor],
     cache_dir: Path,
@@ -38,8 +34,9 @@ def obtain_autoencoder(
     progress: bool,
 ) -> tuple[Path, WeightAutoencoder, dict]:
     """The autoencoder's file, the model (on ``device``) and a record of where it came from:
-    ``settings.autoencoder`` if given, else the cached one trained on ``models`` with ``seed``,
-    else a new one trained on ``tensors`` (resumable from ``state_dir``) and cached."""
+    ``settings.autoencoder`` if given, else the cached one trained on ``models`` with these
+    ``settings`` (the ``latent:`` section), else a new one trained on ``tensors`` (resumable
+    from ``state_dir``) and cached."""
     if settings.autoencoder is not None:
         path = Path(settings.autoencoder).expanduser().absolute()
         return path, _load_given(path, device), {"source": "given", "path": str(path)}
@@ -49,7 +46,7 @@ def obtain_autoencoder(
         lr=settings.lr,
         autoencoder_fraction=settings.autoencoder_fraction,
         beta=settings.beta,
-        seed=seed,
+        seed=settings.seed,
     )
     sizes = {
         "chunk_size": settings.chunk_size,
@@ -65,7 +62,7 @@ def obtain_autoencoder(
         "models": [fingerprint(path) for path in models],
         "version": __version__,
     }
-    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    key = content_key(payload)
     folder = cache_dir / "autoencoders" / key
     if (folder / AUTOENCODER_FILE).is_file():
         record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
@@ -75,17 +72,18 @@ def obtain_autoencoder(
     model, record = train_autoencoder(
         tensors, config, training, device, progress, checkpoint=state_dir / f"autoencoder-{key}.pt"
     )
-    record = {**record, "seed": seed, "device": str(device), "models": [str(p) for p in models]}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{key}.partial-", dir=folder.parent))
-    try:
+    record = {
+        **record,
+        "seed": settings.seed,
+        "device": str(device),
+        "models": [str(p) for p in models],
+    }
+    # A concurrent run that finished first wins, so the published file is the one to use.
+    with staged_folder(folder, "keep", sweep_siblings=True) as work:
         save_autoencoder(model, work / AUTOENCODER_FILE)
         (work / RECORD_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
-        if folder.exists():  # a concurrent run finished first
-            shutil.rmtree(folder)
-        work.rename(folder)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+    model = load_autoencoder(folder / AUTOENCODER_FILE, device)
     return folder / AUTOENCODER_FILE, model, {**record, "source": "trained"}
 
 

@@ -1,254 +1,342 @@
-"""The ``lmc_dm`` pre-merge pass: move every input into one basin by symmetries.
+"""``lmc_dm``: move every input into one basin by symmetries, then measure the paths.
 
-Every input is written with its norms absorbed. Weight matching moves every input after the
-first onto the first (``matching: weights``); with ``steps > 0`` learned matching then trains
-continuous symmetries of every input (the first too, unless ``dual: false``) so that the mixes
-of all of them have a low loss, and each input is written moved by both. With ``evaluate`` the
-pass measures the loss along the path from the first input to each other one, on the test
-split, for the raw checkpoints, after weight matching and after learned matching, and writes
-``lmc_report.json`` and ``lmc_barrier.png``; :func:`finish` adds the merged model's own loss.
+The pre-merge pass writes every input with its norms absorbed, moved by weight matching onto
+the first (``matching: weights``) and, with ``steps > 0``, by the continuous symmetries learned
+matching trained for all of them (:func:`lmc_mergekit.matching.align.align`); each is
+self-checked. The measurement evaluates the loss along the path from the first input to each
+other one on the test split, for the raw checkpoints, after weight matching and after learned
+matching, and the merged model's own loss; it writes ``lmc_report.json`` and ``lmc_barrier.png``.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from pathlib import Path
+from typing import ClassVar, Literal
 
-import torch
+from pydantic import Field, model_validator
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot_paths
-from lmc_mergekit.matching import match_weights
-from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
+from lmc_mergekit.matching.align import AlignConfig, align
+from lmc_mergekit.matching.learned_matching import LearningConfig
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
-from lmc_mergekit.models.functional import FunctionalModel
-from lmc_mergekit.models.view import materialize
-from lmc_mergekit.passes.context import FinishContext, PassContext, pass_device
-from lmc_mergekit.passes.recipe_data import add_merged_loss, load_recipe_split
-from lmc_mergekit.plugin.recipe import AlignmentSettings
-from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
+from lmc_mergekit.passes.device import pass_device
+from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
+from lmc_mergekit.runtime.records import Record
+from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
 from lmc_mergekit.transform_checkpoint import transform_checkpoint
 
-REPORT_FILE = "lmc_report.json"
+# Learned-matching steps when a recipe does not say (about a minute for a d=128 pair on 2 cores).
+DEFAULT_STEPS = 200
 PLOT_FILE = "lmc_barrier.png"
 LABELS = {"raw": "raw", "matched": "weight matching", "learned": "learned matching"}
-EVALUATE_FIX = "set 'evaluate: false' under alignment:"
-# Inside the state folder: the weight-matching transforms, so a resumed run skips matching.
+# In the pass's artefacts: model i's weight-matching transform, for the measurement.
 MATCHED_FILE = "weight-matching-{}.safetensors"
+# Settings that only learned matching reads (they change nothing with steps: 0).
+LEARNING_KEYS = (
+    "lr",
+    "warmup",
+    "batch_size",
+    "weight_decay",
+    "sampler",
+    "dual",
+    "learn",
+    "parametrization",
+    "checkpoint_every",
+    "seed",
+    "calibration_sequences",
+    "data",
+    "field",
+    "seq_len",
+)
 
 
-def run(ctx: PassContext) -> None:
-    """Write one aligned checkpoint per input and the report (with the measured paths when
-    ``evaluate`` is set); in a distributed run only the main process writes."""
+class AlignmentSettings(TextSettings):
+    """``alignment:`` for ``lmc_dm``."""
+
+    merge_only: ClassVar[tuple[str, ...]] = ("combine",)
+    measure_only: ClassVar[tuple[str, ...]] = (*TextSettings.measure_only, "points")
+
+    matching: Literal["none", "weights"] = Field(
+        "weights",
+        description="none: merge the raw checkpoints (the baseline); weights: start from weight "
+        "matching",
+    )
+    steps: int = Field(
+        DEFAULT_STEPS,
+        ge=0,
+        description="learned-matching steps after weight matching (0: weight matching only)",
+    )
+    max_iterations: int = Field(
+        30, ge=1, description="weight matching: most rounds of coordinate descent"
+    )
+    lr: float = Field(0.01, gt=0, description="learned matching: peak AdamW learning rate")
+    warmup: float = Field(
+        0.1, ge=0, lt=1, description="learned matching: fraction of the steps warming up"
+    )
+    batch_size: int = Field(16, ge=1, description="learned matching: sequences per step")
+    weight_decay: float = Field(0.0, ge=0, description="learned matching: AdamW weight decay")
+    sampler: Literal["uniform", "band", "half"] = Field(
+        "uniform",
+        description="λ per step: uniform (flat Dirichlet), band (near the centre), half (fixed)",
+    )
+    dual: bool = Field(
+        True, description="learn the first model's symmetries too (false: one-sided)"
+    )
+    learn: list[Literal["residual", "scale", "qk", "ov"]] = Field(
+        ["residual", "scale", "qk", "ov"], description="the symmetry families learned"
+    )
+    parametrization: Literal["polar", "cayley", "matrix_exp", "unconstrained"] = Field(
+        "polar", description="how maps are parametrised (see symmetry.parametrize)"
+    )
+    checkpoint_every: int = Field(
+        50, ge=1, description="learned matching: steps between resumable checkpoints"
+    )
+    seed: int = Field(0, ge=0, description="learned matching: seed of batches and λ")
+    calibration_sequences: int = Field(
+        4096, ge=1, description="most train-split sequences learned matching draws from"
+    )
+    combine: str | None = Field(
+        None,
+        description="mergekit method combining the aligned models (default: the recipe's "
+        "weighted average)",
+    )
+    points: int = Field(11, ge=3, description="λ grid points along the path")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlignmentSettings:
+        if self.matching == "none":
+            if self.steps and "steps" in self.model_fields_set:
+                raise ValueError(
+                    "learned matching (steps > 0) starts from weight matching; set matching: "
+                    "weights or steps: 0"
+                )
+            self.steps = 0  # the baseline learns nothing
+        if self.steps and not self.learn:
+            raise ValueError("learn: is empty; name a symmetry family or set steps: 0")
+        return self
+
+    def preparation_settings(self) -> dict:
+        settings = super().preparation_settings()
+        if not self.steps:  # weight matching alone reads no text
+            for key in LEARNING_KEYS:
+                settings.pop(key, None)
+        return settings
+
+    def combining_method(self) -> str | None:
+        return self.combine
+
+    def align_config(self) -> AlignConfig:
+        """What :func:`~lmc_mergekit.matching.align.align` does for these settings."""
+        learning = None
+        if self.steps:
+            learning = LearningConfig(
+                steps=self.steps,
+                lr=self.lr,
+                warmup=self.warmup,
+                batch_size=self.batch_size,
+                weight_decay=self.weight_decay,
+                sampler=self.sampler,
+                dual=self.dual,
+                families=tuple(self.learn),
+                parametrization=self.parametrization,
+                checkpoint_every=self.checkpoint_every,
+                seed=self.seed,
+            )
+        return AlignConfig(self.matching, self.max_iterations, learning)
+
+
+class LearningRecord(Record):
+    """How learned matching went: its calibration data and per-step losses."""
+
+    data: SplitRecord
+    steps: int
+    seconds: float
+    first_loss: float | None
+    last_loss: float | None
+    rollbacks: list[dict]
+    resumed_from_step: int | None
+    losses: list[float]
+
+
+class AlignmentPreparation(Record):
+    """What the pass did: each weight match, the learning run, and how long each stage took."""
+
+    matching: list[dict]
+    learning: LearningRecord | None
+    seconds: dict[str, float]
+
+
+class PairPaths(Record):
+    """The loss along the path between the first model (``a``) and another (``b``): raw,
+    after weight matching and after learned matching (where the recipe did each)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("matched", "learned")
+
+    a: str
+    b: str
+    raw: PathLoss
+    matched: PathLoss | None = None
+    learned: PathLoss | None = None
+
+
+class AlignmentReport(Report):
+    """``lmc_report.json``."""
+
+    file_name: ClassVar[str] = "lmc_report.json"
+    omit_if_none: ClassVar[tuple[str, ...]] = ("merged",)
+
+    method: str = "lmc_dm"
+    settings: AlignmentSettings
+    inputs: list[str]
+    data: SplitRecord | None
+    matching: list[dict]
+    learning: LearningRecord | None
+    pairs: list[PairPaths]
+    seconds: dict[str, float]
+    merged: MergedLoss | None = None
+
+    def card_section(self) -> str:
+        """Markdown quoting the barriers before and after alignment and the merged loss."""
+        if not self.settings.evaluate:
+            return ""
+        lines = [
+            "### Loss barrier (lmc-mergekit report)\n",
+            f"Test split of {self.data.description} ({self.data.tokens} tokens). Barrier = "
+            "highest loss along the straight path between two models minus the mean of their "
+            "own losses, for the raw checkpoints and after each alignment stage.\n",
+            "| models | endpoint losses | raw | weight matching | learned matching |",
+            "|---|---|---|---|---|",
+        ]
+        for pair in self.pairs:
+            ends = ", ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
+            cells = [
+                "–" if path is None else f"{path.barrier:.3f}"
+                for path in (pair.raw, pair.matched, pair.learned)
+            ]
+            lines.append(
+                f"| `{Path(pair.a).name}` – `{Path(pair.b).name}` | {ends} | "
+                + " | ".join(cells)
+                + " |"
+            )
+        if self.merged is not None:
+            lines.append(f"\nMerged model test loss: {self.merged.test_loss:.3f}.")
+        lines.append(f"\n![loss along the path]({PLOT_FILE})\n")
+        return "\n".join(lines)
+
+
+def prepare(ctx: PassContext) -> AlignmentPreparation:
+    """Write one aligned, self-checked checkpoint per input (only the main process writes)."""
     settings: AlignmentSettings = ctx.settings
     views = ctx.open_inputs()
     if len(views) < 2:
         raise LmcError("lmc_dm merges two or more models; the recipe lists one")
-    # Data first, so bad data fails before any heavy work.
-    test = _load_split(ctx.inputs, settings, "test") if settings.evaluate else None
-    calibration = _load_split(ctx.inputs, settings, "train") if settings.steps else None
-    progress = not ctx.options.quiet and ctx.processes.is_main
-    started = time.perf_counter()
-    matched, matching = _weight_matching(ctx, views, progress)
-    seconds = {"matching": time.perf_counter() - started}
-    final, learning = matched, None
-    if settings.steps:
-        started = time.perf_counter()
-        matched_views = zip(views, matched, strict=True)
-        endpoints = [materialize(apply_transform(view, t)) for view, t in matched_views]
-        result = learn_symmetries(
-            endpoints,
-            FunctionalModel(
-                views[0].folder,
-                views[0].adapter,
-                endpoints[0].spec,
-                pass_device(ctx.options),
-                ctx.options.trust_remote_code,
-            ),
-            calibration[0],
-            learning_config(settings),
-            state_dir=ctx.state_dir,
-            processes=ctx.processes,
-            progress=progress,
+    config = settings.align_config()
+    ctx.load_test()  # data before any heavy work
+    calibration = None
+    if config.learning is not None:
+        calibration = load_recipe_split(
+            ctx.inputs, settings, "train", settings.calibration_sequences, "use steps: 0"
         )
-        final = [t.then(u) for t, u in zip(matched, result.transforms, strict=True)]
-        learning = {"data": calibration[1], **result.summary(), "losses": result.losses}
-        seconds["learning"] = time.perf_counter() - started
+    alignment = align(
+        views,
+        config,
+        None if calibration is None else calibration.sequences,
+        device=pass_device(ctx.options),
+        state_dir=ctx.state_dir,
+        processes=ctx.processes,
+        progress=ctx.progress,
+        trust_remote_code=ctx.options.trust_remote_code,
+    )
+    seconds = dict(alignment.seconds)
+    learning = None
+    if alignment.learning is not None:
+        result = alignment.learning
+        learning = LearningRecord(data=calibration.record, **result.summary(), losses=result.losses)
     if not ctx.processes.is_main:
-        return
+        return AlignmentPreparation(matching=alignment.matching, learning=learning, seconds={})
     started = time.perf_counter()
-    _write_all(ctx, ctx.outputs, final, progress)
+    write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx)
     seconds["writing_and_self_check"] = time.perf_counter() - started
-    pairs, curves, data = [], {}, None
-    if test is not None:
-        started = time.perf_counter()
-        sequences, data = test
-        pairs, curves = _measure_paths(ctx, sequences, matched if learning else None, progress)
-        seconds["evaluation"] = time.perf_counter() - started
-    report = {
-        "method": "lmc_dm",
-        "settings": settings.model_dump(mode="json"),
-        "inputs": [str(path) for path in ctx.inputs],
-        "data": data,
-        "matching": matching,
-        "learning": learning,
-        "pairs": pairs,
-        "seconds": {key: round(value, 3) for key, value in seconds.items()},
-    }
-    ctx.report_dir.mkdir(parents=True, exist_ok=True)
-    (ctx.report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
-    if curves:
-        plot_paths(ctx.report_dir / PLOT_FILE, curves, "lmc_dm: test loss along the path")
-
-
-def learning_config(settings: AlignmentSettings) -> LearningConfig:
-    """The learned-matching part of the recipe's settings."""
-    return LearningConfig(
-        steps=settings.steps,
-        lr=settings.lr,
-        warmup=settings.warmup,
-        batch_size=settings.batch_size,
-        weight_decay=settings.weight_decay,
-        sampler=settings.sampler,
-        dual=settings.dual,
-        families=tuple(settings.learn),
-        parametrization=settings.parametrization,
-        checkpoint_every=settings.checkpoint_every,
-        seed=settings.seed,
+    if learning is not None:  # the measurement walks the weight-matched paths too
+        ctx.artefacts.mkdir(parents=True, exist_ok=True)
+        for index, transform in enumerate(alignment.matched):
+            save_transform(transform, ctx.artefacts / MATCHED_FILE.format(index))
+    return AlignmentPreparation(
+        matching=alignment.matching,
+        learning=learning,
+        seconds={key: round(value, 3) for key, value in seconds.items()},
     )
 
 
-def _weight_matching(ctx: PassContext, views, progress: bool) -> tuple[list[Transform], list]:
-    """Every input's transform onto the first (reused from the state folder after a restart)."""
-    settings: AlignmentSettings = ctx.settings
-    # The baseline merges the checkpoints as they are; aligned ones all have their norms absorbed.
-    absorb = settings.matching != "none"
-    transforms = [Transform(views[0].spec.num_layers, absorb_norms=absorb)]
-    matching = []
-    for index, view in enumerate(views[1:], start=1):
-        saved = ctx.state_dir / MATCHED_FILE.format(index)
-        if not absorb:
-            transforms.append(Transform(view.spec.num_layers))
-            continue
-        if saved.is_file():
-            transforms.append(load_transform(saved))
-            matching.append({"model": str(view.folder), "reused": str(saved)})
-            continue
-        result = match_weights(
-            views[0], view, max_iterations=settings.max_iterations, progress=progress
-        )
-        transforms.append(result.transform)
-        if settings.steps and ctx.processes.is_main:
-            ctx.state_dir.mkdir(parents=True, exist_ok=True)
-            save_transform(result.transform, saved)
-        matching.append(
-            {
-                "model": str(view.folder),
-                "iterations": result.iterations,
-                "seconds": round(result.seconds, 3),
-                "relative_distance": {"before": result.distances[0], "after": result.distance},
-            }
-        )
-    return transforms, matching
-
-
-def _write_all(ctx: PassContext, outputs, transforms: list[Transform], progress: bool) -> None:
+def write_moved(inputs, outputs, transforms: list[Transform], ctx, progress: bool = True) -> None:
     """Every input moved by its transform into ``outputs`` (each self-checked)."""
-    for source, out, transform in zip(ctx.inputs, outputs, transforms, strict=True):
+    for source, out, transform in zip(inputs, outputs, transforms, strict=True):
         transform_checkpoint(
             source,
             out,
             transform,
             max_shard_size=min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
-            progress=progress,
+            progress=progress and not ctx.options.quiet,
             trust_remote_code=ctx.options.trust_remote_code,
         )
 
 
-def _measure_paths(
-    ctx: PassContext,
-    sequences: torch.Tensor,
-    matched: list[Transform] | None,
-    progress: bool,
-) -> tuple[list[dict], dict[str, PathLoss]]:
-    """The loss along the path from the first input to each other one: raw, aligned (the
-    outputs) and, when ``matched`` is given, after weight matching alone (written to a scratch
-    folder for the measurement)."""
-    folders = {"raw": ctx.inputs}
-    scratch = ctx.report_dir.parent / "weight-matching"
-    if ctx.settings.matching != "none":
-        if matched is not None:
-            outputs = tuple(scratch / out.name for out in ctx.outputs)
-            _write_all(ctx, outputs, matched, progress=False)
-            folders["matched"] = outputs
-        folders["learned" if matched is not None else "matched"] = ctx.outputs
-    pairs, curves = [], {}
-    try:
-        for index in range(1, len(ctx.inputs)):
-            pair = {"a": str(ctx.inputs[0]), "b": str(ctx.inputs[index])}
-            for kind, ends in folders.items():
-                path = interpolation_losses(
-                    ends[0],
-                    ends[index],
-                    sequences,
-                    points=ctx.settings.points,
-                    device=pass_device(ctx.options),
-                    progress=progress,
-                )
-                pair[kind] = path.to_dict()
-                label = LABELS[kind]
-                curves[label if len(ctx.inputs) == 2 else f"{label}, 1→{index + 1}"] = path
-            pairs.append(pair)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return pairs, curves
-
-
-def finish(ctx: FinishContext) -> str:
-    """Add the merged model's test loss to the report; the card's summary of the barriers."""
-    report = add_merged_loss(ctx, REPORT_FILE, AlignmentSettings, EVALUATE_FIX)
-    if report is None or not report["settings"]["evaluate"]:
-        return ""
-    return card_section(report)
-
-
-def card_section(report: dict) -> str:
-    """Markdown quoting the barriers before and after alignment and the merged model's loss."""
-    lines = [
-        "### Loss barrier (lmc-mergekit report)\n",
-        f"Test split of {report['data']['description']} ({report['data']['tokens']} tokens). "
-        "Barrier = highest loss along the straight path between two models minus the mean of "
-        "their own losses, for the raw checkpoints and after each alignment stage.\n",
-        "| models | endpoint losses | raw | weight matching | learned matching |",
-        "|---|---|---|---|---|",
-    ]
-    for pair in report["pairs"]:
-        raw = pair["raw"]
-        ends = ", ".join(f"{loss:.3f}" for loss in raw["endpoint_losses"])
-        cells = [
-            f"{pair[kind]['barrier']:.3f}" if kind in pair else "–"
-            for kind in ("raw", "matched", "learned")
-        ]
-        lines.append(
-            f"| `{Path(pair['a']).name}` – `{Path(pair['b']).name}` | {ends} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    if "merged" in report:
-        lines.append(f"\nMerged model test loss: {report['merged']['test_loss']:.3f}.")
-    lines.append(f"\n![loss along the path]({PLOT_FILE})\n")
-    return "\n".join(lines)
-
-
-def _load_split(
-    inputs: tuple[Path, ...], settings: AlignmentSettings, split: str
-) -> tuple[torch.Tensor, dict]:
-    """Test sequences for evaluation, or train sequences for learned matching."""
-    if split == "test":
-        return load_recipe_split(inputs, settings, split, settings.eval_sequences, EVALUATE_FIX)
-    return load_recipe_split(
-        inputs, settings, split, settings.calibration_sequences, "use steps: 0"
+def measure(ctx: MeasureContext) -> AlignmentReport:
+    """The paths, the merged model's loss and the plot."""
+    settings: AlignmentSettings = ctx.settings
+    preparation: AlignmentPreparation = ctx.preparation
+    report = AlignmentReport(
+        settings=settings,
+        inputs=[str(path) for path in ctx.inputs],
+        data=None if ctx.test is None else ctx.test.record,
+        matching=preparation.matching,
+        learning=preparation.learning,
+        pairs=[],
+        seconds=dict(preparation.seconds),
     )
+    if ctx.test is None:
+        return report
+    started = time.perf_counter()
+    folders = {"raw": ctx.inputs}
+    if settings.matching != "none":
+        if preparation.learning is not None:
+            folders["matched"] = _weight_matched(ctx)
+            folders["learned"] = ctx.prepared
+        else:
+            folders["matched"] = ctx.prepared
+    curves = {}
+    for index in range(1, len(ctx.inputs)):
+        paths = {}
+        for kind, ends in folders.items():
+            paths[kind] = interpolation_losses(
+                ends[0],
+                ends[index],
+                ctx.test.sequences,
+                points=settings.points,
+                device=pass_device(ctx.options),
+                progress=ctx.progress,
+            )
+            label = LABELS[kind]
+            curves[label if len(ctx.inputs) == 2 else f"{label}, 1→{index + 1}"] = paths[kind]
+        report.pairs.append(PairPaths(a=str(ctx.inputs[0]), b=str(ctx.inputs[index]), **paths))
+    report.merged = MergedLoss(
+        test_loss=model_test_loss(ctx.merged, ctx.test, ctx.options),
+        tokens=ctx.test.record.tokens,
+    )
+    report.seconds["evaluation"] = round(time.perf_counter() - started, 3)
+    plot_paths(ctx.files / PLOT_FILE, curves, "lmc_dm: test loss along the path")
+    return report
+
+
+def _weight_matched(ctx: MeasureContext) -> tuple[Path, ...]:
+    """The inputs moved by weight matching alone (from the pass's artefacts), in scratch."""
+    outputs = tuple(ctx.scratch / f"weight-matching-{i}" for i in range(len(ctx.inputs)))
+    transforms = [
+        load_transform(ctx.artefacts / MATCHED_FILE.format(i)) for i in range(len(ctx.inputs))
+    ]
+    write_moved(ctx.inputs, outputs, transforms, ctx, progress=False)
+    return outputs

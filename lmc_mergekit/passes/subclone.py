@@ -6,25 +6,22 @@ mergekit then writes the converted model (one donor) or their weighted average (
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.selfcheck import load_fp32, relative_logits_error, tolerance_for
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE, load_config
 from lmc_mergekit.models.block_runner import BlockRunner
-from lmc_mergekit.passes.context import FinishContext, PassContext, pass_device
-from lmc_mergekit.passes.recipe_data import (
-    add_merged_loss,
-    load_recipe_split,
-    load_test_split,
-    model_test_loss,
-)
-from lmc_mergekit.plugin.recipe import SHAPE_KEYS, SubcloneSettings
+from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
+from lmc_mergekit.passes.device import pass_device
+from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
+from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.subclone.convert import (
     ConversionConfig,
     compensation_features,
@@ -32,16 +29,153 @@ from lmc_mergekit.subclone.convert import (
 )
 from lmc_mergekit.subclone.target import resolve_target
 
-REPORT_FILE = "subclone_report.json"
-EVALUATE_FIX = "set 'evaluate: false' under subclone:"
 # Self-check probe: the first calibration sequences, cut to this many tokens.
 PROBE = (2, 48)
+SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+)
 
 
-def run(ctx: PassContext) -> None:
-    """Convert every donor into ``ctx.outputs`` and write ``subclone_report.json``."""
+class SubcloneSettings(TextSettings):
+    """``subclone:`` for ``subclone_compensate``."""
+
+    hidden_size: int | None = Field(None, gt=0, description="target width")
+    num_hidden_layers: int | None = Field(None, gt=0, description="target depth")
+    num_attention_heads: int | None = Field(None, gt=0, description="target query heads")
+    num_key_value_heads: int | None = Field(
+        None, gt=0, description="target key/value heads (default: the donor's group size kept)"
+    )
+    head_dim: int | None = Field(
+        None, gt=0, description="target head size where config.json stores it (Llama family)"
+    )
+    intermediate_size: int | None = Field(None, gt=0, description="target MLP width")
+    target_config: str | None = Field(
+        None, description="config.json (or its folder) of a model of the target shape"
+    )
+    compensate: bool = Field(
+        True, description="refit attention output and MLP down by least squares"
+    )
+    rescale: Literal["none", "o_down", "all"] = Field(
+        "o_down", description="multiply by sqrt(n/n'): none, attention output + MLP down, all"
+    )
+    selection: Literal["weight_norm", "random"] = Field(
+        "weight_norm", description="rank heads, dims and units by weight norm, or at random"
+    )
+    ridge: float = Field(
+        0.01, gt=0, description="ridge strength relative to the mean feature energy"
+    )
+    seed: int = Field(0, ge=0, description="seed of the random selection")
+    calibration_sequences: int = Field(
+        256, ge=1, description="train-split sequences the conversion calibrates on"
+    )
+
+    @model_validator(mode="after")
+    def _needs_target(self) -> SubcloneSettings:
+        named = [key for key in SHAPE_KEYS if getattr(self, key) is not None]
+        if self.target_config is None and not named:
+            raise ValueError("name a target shape (hidden_size, ...) or a target_config")
+        if self.target_config is not None and named:
+            raise ValueError(
+                f"give either target_config or shape keys ({', '.join(named)}), not both"
+            )
+        return self
+
+    def dependencies(self) -> list[Path]:
+        path = Path(self.target_config or "").expanduser()
+        if self.target_config is None or not path.exists():
+            return []  # a missing target_config is the pass's one-line error
+        return [path.resolve() if path.is_dir() else path.resolve().parent]
+
+
+class DonorLosses(Record):
+    """A donor's and its converted model's test loss."""
+
+    donor: float
+    converted: float
+
+
+class DonorRecord(Record):
+    """What the conversion kept of one donor, how well the written checkpoint checked, and
+    (measured) the losses."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("test_loss",)
+
+    donor: str
+    donor_shape: dict
+    conversion: dict
+    self_check_error: float
+    seconds: float
+    test_loss: DonorLosses | None = None
+
+
+class SubclonePreparation(Record):
+    """The target shape, the calibration text and every donor's conversion."""
+
+    target_shape: dict
+    calibration: SplitRecord
+    device: str
+    donors: list[DonorRecord]
+
+
+class SubcloneReport(Report):
+    """``subclone_report.json``."""
+
+    file_name: ClassVar[str] = "subclone_report.json"
+    omit_if_none: ClassVar[tuple[str, ...]] = ("merged",)
+
+    method: str = "subclone_compensate"
+    settings: SubcloneSettings
+    target_shape: dict
+    calibration: SplitRecord
+    test: SplitRecord | None
+    device: str
+    donors: list[DonorRecord]
+    merged: MergedLoss | None = None
+
+    def card_section(self) -> str:
+        """Markdown: the target shape, what each donor kept, the calibration and the losses."""
+        shape, settings, calibration = self.target_shape, self.settings, self.calibration
+        lines = [
+            "### Size conversion (lmc-mergekit report)\n",
+            f"Target: hidden {shape['hidden_size']}, {shape['num_layers']} layers, "
+            f"{shape['num_heads']} heads ({shape['num_kv_heads']} key/value) of "
+            f"{shape['head_dim']} dims ({shape['rotary_dims']} rotary, base "
+            f"{shape['rope_theta']:g}), MLP {shape['intermediate_size']}. "
+            f"Selection by {settings.selection.replace('_', ' ')}; compensation "
+            f"{'on' if settings.compensate else 'off'}; rescale {settings.rescale}. "
+            f"Calibration: {calibration.sequences} sequences ({calibration.tokens} tokens) "
+            f"of {calibration.description}.\n",
+        ]
+        header = "| donor | kept layers | residual channels | rotary pairs (base) |"
+        if self.test is not None:
+            header += " donor test loss | converted test loss |"
+        lines += [header, "|" + "---|" * (header.count("|") - 1)]
+        for donor in self.donors:
+            record = donor.conversion
+            rotary = record["rotary"]
+            adjusted = " adjusted" if rotary["adjusted"] else ""
+            row = (
+                f"| `{Path(donor.donor).name}` | {record['kept_layers']} | "
+                f"{len(record['residual_channels'])} of {donor.donor_shape['hidden_size']} | "
+                f"{rotary['kept_pairs']} ({rotary['rope_theta']:g}{adjusted}) |"
+            )
+            if donor.test_loss is not None:
+                row += f" {donor.test_loss.donor:.3f} | {donor.test_loss.converted:.3f} |"
+            lines.append(row)
+        if self.merged is not None:
+            lines.append(f"\nMerged model test loss: {self.merged.test_loss:.3f}.")
+        return "\n".join(lines)
+
+
+def prepare(ctx: PassContext) -> SubclonePreparation | None:
+    """Convert every donor into ``ctx.outputs``, each written checkpoint checked."""
     if not ctx.processes.is_main:
-        return  # the conversion runs in one process
+        return None  # the conversion runs in one process
     settings: SubcloneSettings = ctx.settings
     views = [open_model(path, ctx.options.trust_remote_code) for path in ctx.inputs]
     for view in views[1:]:
@@ -57,17 +191,11 @@ def run(ctx: PassContext) -> None:
     ]
     _check_same_target(views, [target for target, _ in targets])
     # Data before any heavy work, so missing or short text fails first.
-    calibration, calibration_data = load_recipe_split(
-        ctx.inputs,
-        settings,
-        "train",
-        settings.calibration_sequences,
-    )
+    calibration = load_recipe_split(ctx.inputs, settings, "train", settings.calibration_sequences)
     if settings.compensate:
-        _check_enough_tokens(targets[0][0], calibration_data, settings)
-    test = load_test_split(ctx.inputs, settings, EVALUATE_FIX)
+        _check_enough_tokens(targets[0][0], calibration.record, settings)
+    ctx.load_test()
     device = pass_device(ctx.options)
-    progress = not ctx.options.quiet
     config = ConversionConfig(
         compensate=settings.compensate,
         rescale=settings.rescale,
@@ -82,10 +210,10 @@ def run(ctx: PassContext) -> None:
             view,
             target,
             plan,
-            calibration,
+            calibration.sequences,
             config,
             device,
-            progress,
+            ctx.progress,
             ctx.options.trust_remote_code,
         )
         view.adapter.save(
@@ -93,34 +221,47 @@ def run(ctx: PassContext) -> None:
             out,
             view.folder,
             max_shard_size=min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
-            progress=progress,
+            progress=ctx.progress,
         )
-        error = _check_written(view, conversion.view, out, calibration, ctx)
-        entry = {
-            "donor": str(view.folder),
-            "donor_shape": view.spec.shape_summary(),
-            "conversion": conversion.record,
-            "self_check_error": error,
-            "seconds": round(time.perf_counter() - started, 3),
-        }
-        if test is not None:
-            entry["test_loss"] = {
-                "donor": model_test_loss(view.folder, test[0], ctx.options),
-                "converted": model_test_loss(out, test[0], ctx.options),
-            }
-        donors.append(entry)
+        error = _check_written(view, conversion.view, out, calibration.sequences, ctx)
+        donors.append(
+            DonorRecord(
+                donor=str(view.folder),
+                donor_shape=view.spec.shape_summary(),
+                conversion=conversion.record,
+                self_check_error=error,
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        )
     target = targets[0][0]
-    report = {
-        "method": "subclone_compensate",
-        "settings": settings.model_dump(mode="json"),
-        "target_shape": {**target.shape_summary(), "rope_theta": target.rope_theta},
-        "calibration": calibration_data,
-        "test": None if test is None else test[1],
-        "device": str(device),
-        "donors": donors,
-    }
-    ctx.report_dir.mkdir(parents=True, exist_ok=True)
-    (ctx.report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return SubclonePreparation(
+        target_shape={**target.shape_summary(), "rope_theta": target.rope_theta},
+        calibration=calibration.record,
+        device=str(device),
+        donors=donors,
+    )
+
+
+def measure(ctx: MeasureContext) -> SubcloneReport:
+    """Each donor's and converted model's test loss, and the merged model's."""
+    preparation: SubclonePreparation = ctx.preparation
+    report = SubcloneReport(
+        settings=ctx.settings,
+        test=None if ctx.test is None else ctx.test.record,
+        **preparation.model_dump(),
+    )
+    if ctx.test is None:
+        return report
+    for donor, converted in zip(report.donors, ctx.prepared, strict=True):
+        donor.test_loss = DonorLosses(
+            donor=model_test_loss(Path(donor.donor), ctx.test, ctx.options),
+            converted=model_test_loss(converted, ctx.test, ctx.options),
+        )
+    report.merged = MergedLoss(
+        test_loss=model_test_loss(ctx.merged, ctx.test, ctx.options),
+        tokens=ctx.test.record.tokens,
+    )
+    return report
 
 
 def _rope_type(view) -> str | None:
@@ -143,14 +284,14 @@ def _check_same_target(views, targets) -> None:
             )
 
 
-def _check_enough_tokens(target, data: dict, settings: SubcloneSettings) -> None:
+def _check_enough_tokens(target, data: SplitRecord, settings: SubcloneSettings) -> None:
     """Each compensation fit needs more calibration tokens than it has features."""
     features = compensation_features(target)
-    if data["tokens"] < features:
+    if data.tokens < features:
         per_sequence = settings.seq_len - 1
         need = -(-4 * features // per_sequence)
         raise LmcError(
-            f"calibration gives {data['tokens']} tokens ({data['sequences']} sequences) but "
+            f"calibration gives {data.tokens} tokens ({data.sequences} sequences) but "
             f"compensation fits {features} features per projection; give at least "
             f"{features} tokens, better {need} sequences of {settings.seq_len} "
             "(calibration_sequences, or more text under data:), or set compensate: false"
@@ -180,47 +321,3 @@ def _check_written(view, converted, out: Path, calibration, ctx) -> float:
             f"away from the conversion's own, above {tolerance:.0e}; nothing was kept"
         )
     return error
-
-
-def finish(ctx: FinishContext) -> str:
-    """Add the merged model's test loss to the report; the card's summary of the conversion."""
-    report = add_merged_loss(ctx, REPORT_FILE, SubcloneSettings, EVALUATE_FIX)
-    return "" if report is None else card_section(report)
-
-
-def card_section(report: dict) -> str:
-    """Markdown: the target shape, what each donor kept, the calibration and the losses."""
-    shape = report["target_shape"]
-    settings = report["settings"]
-    calibration = report["calibration"]
-    lines = [
-        "### Size conversion (lmc-mergekit report)\n",
-        f"Target: hidden {shape['hidden_size']}, {shape['num_layers']} layers, "
-        f"{shape['num_heads']} heads ({shape['num_kv_heads']} key/value) of "
-        f"{shape['head_dim']} dims ({shape['rotary_dims']} rotary, base "
-        f"{shape['rope_theta']:g}), MLP {shape['intermediate_size']}. "
-        f"Selection by {settings['selection'].replace('_', ' ')}; compensation "
-        f"{'on' if settings['compensate'] else 'off'}; rescale {settings['rescale']}. "
-        f"Calibration: {calibration['sequences']} sequences ({calibration['tokens']} tokens) "
-        f"of {calibration['description']}.\n",
-    ]
-    header = "| donor | kept layers | residual channels | rotary pairs (base) |"
-    if report.get("test"):
-        header += " donor test loss | converted test loss |"
-    lines += [header, "|" + "---|" * (header.count("|") - 1)]
-    for donor in report["donors"]:
-        record = donor["conversion"]
-        rotary = record["rotary"]
-        adjusted = " adjusted" if rotary["adjusted"] else ""
-        row = (
-            f"| `{Path(donor['donor']).name}` | {record['kept_layers']} | "
-            f"{len(record['residual_channels'])} of {donor['donor_shape']['hidden_size']} | "
-            f"{rotary['kept_pairs']} ({rotary['rope_theta']:g}{adjusted}) |"
-        )
-        if "test_loss" in donor:
-            loss = donor["test_loss"]
-            row += f" {loss['donor']:.3f} | {loss['converted']:.3f} |"
-        lines.append(row)
-    if "merged" in report:
-        lines.append(f"\nMerged model test loss: {report['merged']['test_loss']:.3f}.")
-    return "\n".join(lines)

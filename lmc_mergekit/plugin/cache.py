@@ -1,20 +1,38 @@
-"""The cache of prepared inputs, keyed by what went into them.
+"""The plugin's cache: prepared inputs, and the measurements made on merges of them.
 
-A key hashes the method, its settings, the package version and a fingerprint of every input
-checkpoint (file names, sizes and modification times, as build tools do: content hashes of
-multi-GB shards would cost as much as the pass itself).
+``<cache>/<method>/<key>/`` holds one prepared checkpoint per input (``model-<i>``), the pass's
+record (``preparation.json``) and its artefacts; the key hashes only what changes the prepared
+weights: the method, the section's preparation settings, the package version and the
+fingerprint of every input and dependency. ``<cache>/<method>/measurements/<key>/`` holds a
+report and its files; its key adds everything else the measurement depends on (all settings,
+the merge configuration, the options that change numbers), so changing only how a recipe is
+measured reuses the prepared inputs, and rerunning a recipe reuses its measurement.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
-from pydantic import BaseModel
+from mergekit.options import MergeOptions
 
-COMPLETE_FILE = "complete.json"
+from lmc_mergekit import __version__
+from lmc_mergekit.passes.base import Section
+from lmc_mergekit.runtime.keys import content_key, fingerprint
+
+PREPARATION_FILE = "preparation.json"
+ARTEFACTS_DIR = "artefacts"
+MEASUREMENTS_DIR = "measurements"
+# mergekit options that can change the numbers a measurement reports.
+NUMERIC_OPTIONS = {
+    "allow_crimes",
+    "unsafe_truncate_embeddings",
+    "lora_merge_dtype",
+    "cuda",
+    "device",
+    "trust_remote_code",
+    "random_seed",
+}
 
 
 def default_cache_dir() -> Path:
@@ -22,21 +40,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LMC_MERGEKIT_CACHE", "~/.cache/lmc-mergekit")).expanduser()
 
 
-def fingerprint(folder: Path) -> list:
-    """Names, sizes and mtimes of the files that define a checkpoint."""
-    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".json"))
-    return [str(folder)] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-
-
-def cache_key(method: str, settings: BaseModel, inputs: list[Path]) -> str:
-    """A short hex key for prepared inputs."""
-    from lmc_mergekit import __version__
-
+def preparation_key(method: str, settings: Section, inputs: list[Path]) -> str:
+    """The key of the prepared inputs of ``method`` with ``settings`` for ``inputs``."""
     payload = {
         "method": method,
-        # Settings that only steer the merge after the pass do not make new prepared inputs.
-        "settings": settings.model_dump(mode="json", exclude=set(settings.merge_only)),
+        "settings": settings.preparation_settings(),
         "version": __version__,
-        "inputs": [fingerprint(path) for path in inputs],
+        "inputs": [fingerprint(path) for path in inputs + settings.dependencies()],
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    return content_key(payload)
+
+
+def measurement_key(
+    prepared_key: str, settings: Section, merge_config: dict, options: MergeOptions
+) -> str:
+    """The key of a measurement of the merge ``merge_config`` of prepared inputs."""
+    payload = {
+        "prepared": prepared_key,
+        "settings": settings.model_dump(mode="json"),
+        "merge": merge_config,
+        "options": options.model_dump(mode="json", include=NUMERIC_OPTIONS),
+        "version": __version__,
+    }
+    return content_key(payload)

@@ -93,7 +93,6 @@ def mergekit_yaml_main(
     overwrite: bool,
 ) -> None:
     """Run a mergekit YAML recipe; the plugin's methods run their pre-merge pass first."""
-    import lmc_mergekit  # noqa: F401  (registers the methods)
     from lmc_mergekit.plugin.pipeline import run_recipe_file
 
     merge_options.apply_global_options()

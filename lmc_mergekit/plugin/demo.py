@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from mergekit.options import MergeOptions
 
+from lmc_mergekit.passes.lmc_dm import PLOT_FILE, AlignmentReport
 from lmc_mergekit.plugin.pipeline import run_recipe_file
-from lmc_mergekit.staging import check_output_free
+from lmc_mergekit.runtime.publish import check_output_free
 from lmc_mergekit.zoo import build_zoo
 
 RECIPE_FILE = "recipe.yml"
@@ -23,31 +23,31 @@ class DemoResult:
 
     recipe: Path
     merged: Path
-    report: dict
+    report: AlignmentReport
 
     def summary(self) -> str:
         """What the demo prints: the two models, the barriers, and where the results are."""
-        pair, merged = self.report["pairs"][0], self.report["merged"]
-        ends = " and ".join(f"{loss:.3f}" for loss in pair["raw"]["endpoint_losses"])
+        pair = self.report.pairs[0]
+        ends = " and ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
         barriers = [
-            f"barrier {label + ':':<24}{pair[kind]['barrier']:.3f} nats"
-            for kind, label in (
-                ("raw", "before alignment"),
-                ("matched", "after weight matching"),
-                ("learned", "after learned matching"),
+            f"barrier {label + ':':<24}{path.barrier:.3f} nats"
+            for path, label in (
+                (pair.raw, "before alignment"),
+                (pair.matched, "after weight matching"),
+                (pair.learned, "after learned matching"),
             )
-            if kind in pair
+            if path is not None
         ]
         return "\n".join(
             [
-                f"models:   {pair['a']}",
-                f"          {pair['b']}",
+                f"models:   {pair.a}",
+                f"          {pair.b}",
                 f"test loss of each:              {ends} nats",
                 *barriers,
-                f"merged model (λ = 0.5) loss:    {merged['test_loss']:.3f} nats",
+                f"merged model (λ = 0.5) loss:    {self.report.merged.test_loss:.3f} nats",
                 f"merged model: {self.merged}",
-                f"report:       {self.merged / 'lmc_report.json'}",
-                f"plot:         {self.merged / 'lmc_barrier.png'}",
+                f"report:       {self.merged / AlignmentReport.file_name}",
+                f"plot:         {self.merged / PLOT_FILE}",
                 f"recipe:       {self.recipe}",
             ]
         )
@@ -105,5 +105,5 @@ def run_demo(
     merged = run_recipe_file(
         recipe, out / MERGED_DIR, MergeOptions(quiet=quiet), cache_dir, overwrite
     )
-    report = json.loads((merged / "lmc_report.json").read_text(encoding="utf-8"))
+    report = AlignmentReport.read(merged / AlignmentReport.file_name)
     return DemoResult(recipe=recipe, merged=merged, report=report)

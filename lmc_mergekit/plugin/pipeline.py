@@ -1,32 +1,65 @@
-"""Running a recipe: the pre-merge pass (cached), then mergekit's own executor."""
+"""Running a recipe; the only code that runs mergekit.
+
+A built-in method runs as ``mergekit-yaml`` runs it, on the recipe as written. A plugin method
+runs as one straight line: the test split is read (when the recipe evaluates: bad data fails
+before any heavy work), the pre-merge pass prepares every input (cached), mergekit combines the
+prepared inputs, and the measurement (cached, with any comparison merges it declares) writes
+the report. Every merged output is checked for NaN and Inf before it is kept, the card is
+written from the recipe as given, and the whole output appears only when complete.
+"""
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mergekit.common import ModelReference
 from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
-from lmc_mergekit.distributed import Processes, close_processes, processes
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.models.checkpoint import model_dir
-from lmc_mergekit.passes import PASSES, FinishContext, PassContext
-from lmc_mergekit.passes.context import pass_device
-from lmc_mergekit.plugin.cache import COMPLETE_FILE, cache_key
+from lmc_mergekit.models.checkpoint import first_non_finite, model_dir
+from lmc_mergekit.passes.base import Compared, Comparison, MeasureContext, PassContext, Section
+from lmc_mergekit.passes.device import pass_device
+from lmc_mergekit.passes.text import Split, load_test_split
+from lmc_mergekit.plugin.cache import (
+    ARTEFACTS_DIR,
+    MEASUREMENTS_DIR,
+    PREPARATION_FILE,
+    measurement_key,
+    preparation_key,
+)
 from lmc_mergekit.plugin.card import write_card
-from lmc_mergekit.plugin.methods import write_provenance
-from lmc_mergekit.plugin.recipe import Recipe, parse_recipe
-from lmc_mergekit.staging import staged_output
+from lmc_mergekit.plugin.inputs import check_models, plugin_inputs, references, with_prepared
+from lmc_mergekit.plugin.methods import PluginMethod
+from lmc_mergekit.plugin.recipe import Recipe, read_recipe
+from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
+from lmc_mergekit.runtime.provenance import write_provenance
+from lmc_mergekit.runtime.publish import staged_folder
+from lmc_mergekit.runtime.records import Record
 
 LOG = logging.getLogger(__name__)
-# Inside a cache entry: the pass's report files, copied next to every merged model.
-REPORT_DIR = "report"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The prepared inputs of one recipe: their cache entry and key, the inputs (resolved
+    folders, recipe order), the prepared checkpoint of each and the pass's record."""
+
+    key: str
+    entry: Path
+    inputs: tuple[Path, ...]
+    folders: tuple[Path, ...]
+    preparation: Record
+
+    @property
+    def artefacts(self) -> Path:
+        return self.entry / ARTEFACTS_DIR
 
 
 def run_recipe_file(
@@ -37,26 +70,33 @@ def run_recipe_file(
     overwrite: bool = False,
 ) -> Path:
     """Run a recipe file into ``out`` (written in a staging folder, renamed on success)."""
-    path = Path(recipe_path)
-    if not path.is_file():
-        raise LmcError(f"recipe {str(recipe_path)!r} does not exist")
-    recipe = parse_recipe(path.read_text(encoding="utf-8"))
+    recipe = read_recipe(recipe_path)
     out = Path(out).expanduser().absolute()
+    cache_dir = Path(cache_dir).expanduser().absolute()
+    existing = "replace" if overwrite else "refuse"
+    check_models(recipe.config, local_only=recipe.method is not None)
+    if recipe.method is None:
+        with staged_folder(out, existing) as folder:
+            merge(recipe.config, folder, options)
+            if options.write_model_card:
+                write_card(folder, recipe, out.name)
+        return out
     procs = processes(pass_device(options))
     try:
-        if not procs.is_main:
-            # Under torchrun / accelerate launch the other processes only help with the pass.
-            if recipe.plugin_method is not None:
-                prepare_inputs(recipe, options, cache_dir, procs)
+        if not procs.is_main:  # the other processes of a launcher only help with the pass
+            load_test = lazy_test_split(recipe)
+            prepare(
+                recipe.method, recipe.settings, recipe.config, options, cache_dir, procs, load_test
+            )
             return out
-        with staged_output(out, overwrite) as staging:
-            run_recipe(recipe, staging, out.name, options, cache_dir, procs)
+        with staged_folder(out, existing) as folder:
+            run_plugin_recipe(recipe, folder, out.name, options, cache_dir, procs)
         return out
     finally:
         close_processes()
 
 
-def run_recipe(
+def run_plugin_recipe(
     recipe: Recipe,
     folder: Path,
     name: str,
@@ -64,122 +104,190 @@ def run_recipe(
     cache_dir: Path,
     procs: Processes | None = None,
 ) -> None:
-    """Merge into ``folder``: built-in methods as ``mergekit-yaml`` would; plugin methods after
-    their pre-merge pass, on the prepared checkpoints, with a card from the original recipe."""
-    if recipe.plugin_method is None:
-        run_merge(recipe.config.model_copy(deep=True), str(folder), options, recipe.source)
-        return
-    prepared, report_dir = prepare_inputs(recipe, options, cache_dir, procs or Processes())
-    merge_prepared(recipe, prepared, folder, options)
-    if report_dir.is_dir():
-        shutil.copytree(report_dir, folder, dirs_exist_ok=True)
-    premerge = PASSES[recipe.plugin_method.name]
-    summary = ""
-    if premerge.finish is not None:
-        inputs = tuple(Path(source) for source in prepared)
-        summary = premerge.finish(FinishContext(folder, recipe, inputs, options, prepared))
+    """The plugin recipe's merge, report and card in ``folder`` (the output's name ``name``)."""
+    method, settings = recipe.method, recipe.settings
+    procs = procs or Processes()
+    load_test = lazy_test_split(recipe)
+    prepared = prepare(method, settings, recipe.config, options, cache_dir, procs, load_test)
+    merge_prepared(recipe.config, settings, prepared, folder, options)
+    report = measure(recipe, prepared, folder, load_test, options, cache_dir)
     if options.write_model_card:
-        write_card(folder, recipe, name, prepared, summary, premerge.checked)
+        written = {model_dir(r.model.path): r.model.path for r in _local(recipe.config)}
+        rows = {
+            written.get(source, str(source)): str(target.relative_to(cache_dir))
+            for source, target in zip(prepared.inputs, prepared.folders, strict=True)
+        }
+        write_card(folder, recipe, name, rows, report)
 
 
-def merge_prepared(
-    recipe: Recipe, prepared: dict[str, Path], folder: Path, options: MergeOptions
-) -> None:
-    """mergekit's executor on the prepared checkpoints (no card: the caller writes its own),
-    with the method's parameters from the plugin section."""
-    config = _with_prepared_models(recipe.config, prepared)
-    combine = getattr(recipe.settings, "combine", None)
-    if combine is not None:
-        config = config.model_copy(update={"merge_method": combine})
-    extra = recipe.settings.merge_parameters()
-    if extra:
-        config = config.model_copy(update={"parameters": {**(config.parameters or {}), **extra}})
-    run_merge(
-        config,
-        str(folder),
-        options.model_copy(update={"write_model_card": False}),
-        recipe.source,
+def lazy_test_split(recipe: Recipe) -> Callable[[], Split | None]:
+    """Loads the recipe's test split on first use (None when it does not evaluate), once."""
+    inputs = tuple(plugin_inputs(recipe.config, recipe.method.name))
+    return functools.cache(lambda: load_test_split(inputs, recipe.settings, recipe.method.section))
+
+
+def _local(config: MergeConfiguration):
+    return [ref for ref in references(config) if Path(ref.model.path).expanduser().exists()]
+
+
+def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> None:
+    """mergekit's executor into ``folder`` (the card is the caller's), then every merged tensor
+    checked: nothing non-finite is ever kept."""
+    no_card = options.model_copy(update={"write_model_card": False})
+    try:
+        run_merge(config.model_copy(deep=True), str(folder), no_card)
+    except LmcError:
+        raise
+    except (RuntimeError, ValueError, OSError) as error:
+        if options.verbosity:
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        raise LmcError(f"mergekit: {message} (-v shows where)") from None
+    bad = first_non_finite(folder)
+    if bad is not None:
+        tensor, count = bad
+        raise LmcError(
+            f"the merged tensor {tensor!r} holds {count} NaN/Inf values (weights that sum to "
+            "zero under normalize give 0/0): check the recipe's weights and filters; nothing "
+            "was written"
+        )
+
+
+def prepare(
+    method: PluginMethod,
+    settings: Section,
+    config: MergeConfiguration,
+    options: MergeOptions,
+    cache_dir: Path,
+    procs: Processes,
+    load_test: Callable[[], Split | None] = lambda: None,
+) -> Prepared | None:
+    """The prepared inputs of a plugin recipe: from the cache, or by running the method's
+    pre-merge pass into a new entry (which calls ``load_test`` before its heavy work).
+    Resumable state of an interrupted pass lives next to the entry until the pass succeeds. In
+    the other processes of a launcher the pass only helps (and None is returned)."""
+    inputs = tuple(plugin_inputs(config, method.name))
+    key = preparation_key(method.name, settings, list(inputs))
+    root = cache_dir / method.name
+    entry, state_dir = root / key, root / f".{key}.state"
+    names = tuple(f"model-{index}" for index in range(len(inputs)))
+    base_model = config.base_model
+    ctx = PassContext(
+        method=method.name,
+        inputs=inputs,
+        outputs=tuple(entry / name for name in names),
+        settings=settings,
+        options=options,
+        artefacts=entry / ARTEFACTS_DIR,
+        state_dir=state_dir,
+        cache_dir=root,
+        base_model=None if base_model is None else model_dir(base_model.model.path),
+        processes=procs,
+        load_test=load_test,
+    )
+    if (entry / PREPARATION_FILE).is_file():
+        LOG.info("reusing prepared inputs from %s", entry)
+    elif not procs.is_main:
+        method.prepare(ctx)  # helps the main process, which writes
+        return None
+    else:
+        # A concurrent run that finished first wins: its entry is as good as this one.
+        with staged_folder(entry, "keep", sweep_siblings=True) as work:
+            outputs = tuple(work / name for name in names)
+            preparation = method.prepare(
+                replace(ctx, outputs=outputs, artefacts=work / ARTEFACTS_DIR)
+            )
+            for source, folder in zip(inputs, outputs, strict=True):
+                write_provenance(folder, method.name, {"source": str(source), "cache_key": key})
+            preparation.write(work / PREPARATION_FILE)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return Prepared(
+        key=key,
+        entry=entry,
+        inputs=inputs,
+        folders=ctx.outputs,
+        preparation=method.preparation.read(entry / PREPARATION_FILE),
     )
 
 
-def recipe_inputs(config: MergeConfiguration, method: str) -> list[Path]:
-    """The distinct local checkpoint folders a plugin recipe names, in recipe order."""
-    if config.slices or config.modules or not config.models:
-        raise LmcError(
-            f"{method} recipes list whole models under 'models:'; slices are not supported"
-        )
-    refs = [entry.model for entry in config.models]
-    if config.base_model is not None:
-        refs.insert(0, config.base_model)
-    paths: list[Path] = []
-    for ref in refs:
-        if ref.lora is not None:
-            raise LmcError(f"{method} does not take LoRA inputs ({ref}); merge the adapter first")
-        path = model_dir(ref.model.path)
-        if path not in paths:
-            paths.append(path)
-    return paths
+def merge_prepared(
+    config: MergeConfiguration,
+    settings: Section,
+    prepared: Prepared,
+    folder: Path,
+    options: MergeOptions,
+) -> None:
+    """mergekit on the prepared checkpoints, with the method's parameters from the plugin
+    section (and the built-in method that section names to combine them, if any)."""
+    config = with_prepared(config, dict(zip(prepared.inputs, prepared.folders, strict=True)))
+    update: dict = {}
+    combine = settings.combining_method()
+    if combine is not None:
+        update["merge_method"] = combine
+    extra = settings.merge_parameters()
+    if extra:
+        update["parameters"] = {**(config.parameters or {}), **extra}
+    merge(config.model_copy(update=update), folder, options)
 
 
-def prepare_inputs(
-    recipe: Recipe, options: MergeOptions, cache_dir: Path, procs: Processes
-) -> tuple[dict[str, Path], Path]:
-    """Prepared checkpoints for every input (from the cache, or by running the method's pass),
-    and the folder holding the pass's report files. Resumable state of an interrupted pass
-    lives next to the entry until the pass succeeds."""
-    method = recipe.plugin_method.name
-    inputs = recipe_inputs(recipe.config, method)
-    key = cache_key(method, recipe.settings, inputs + recipe.settings.dependencies())
-    entry = cache_dir / method / key
-    state_dir = cache_dir / method / f".{key}.state"
-    outputs = [entry / f"model-{i}" for i in range(len(inputs))]
-    if (entry / COMPLETE_FILE).is_file():
-        LOG.info("reusing prepared inputs from %s", entry)
-    else:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{key}.partial-", dir=entry.parent))
-        try:
-            ctx = PassContext(
-                method=method,
-                inputs=tuple(inputs),
-                outputs=tuple(work / out.name for out in outputs),
-                settings=recipe.settings,
-                options=options,
-                report_dir=work / REPORT_DIR,
-                state_dir=state_dir,
-                cache_dir=cache_dir / method,
-                base_model=None
-                if recipe.config.base_model is None
-                else model_dir(recipe.config.base_model.model.path),
-                processes=procs,
+def measure(
+    recipe: Recipe,
+    prepared: Prepared,
+    folder: Path,
+    load_test: Callable[[], Split | None],
+    options: MergeOptions,
+    cache_dir: Path,
+) -> Record:
+    """The method's report of the merge in ``folder``, with its files copied there: from the
+    cache, or measured (running the comparison merges it declares) into a new entry."""
+    method, settings = recipe.method, recipe.settings
+    merge_config = recipe.config.model_dump(mode="json")
+    key = measurement_key(prepared.key, settings, merge_config, options)
+    entry = cache_dir / method.name / MEASUREMENTS_DIR / key
+    report_file = method.report.file_name
+    if not (entry / report_file).is_file():
+        with (
+            staged_folder(entry, "keep", sweep_siblings=True) as work,
+            tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
+        ):
+            compared = {
+                comparison.name: _compare(comparison, recipe, Path(scratch), options, cache_dir)
+                for comparison in method.comparisons(settings, prepared.preparation)
+            }
+            report = method.measure(
+                MeasureContext(
+                    settings=settings,
+                    inputs=prepared.inputs,
+                    prepared=prepared.folders,
+                    preparation=prepared.preparation,
+                    artefacts=prepared.artefacts,
+                    merged=folder,
+                    comparisons=compared,
+                    test=load_test(),
+                    options=options,
+                    scratch=Path(scratch),
+                    files=work,
+                )
             )
-            PASSES[method].run(ctx)
-            if not procs.is_main:
-                return {}, entry / REPORT_DIR
-            for source, folder in zip(inputs, ctx.outputs, strict=True):
-                write_provenance(folder, method, {"source": str(source), "cache_key": key})
-            (work / COMPLETE_FILE).write_text(
-                json.dumps({"inputs": [str(p) for p in inputs]}, indent=2), encoding="utf-8"
-            )
-            if entry.exists():  # an interrupted or concurrent run left one behind
-                shutil.rmtree(entry)
-            work.rename(entry)
-            shutil.rmtree(state_dir, ignore_errors=True)
-        finally:
-            if work.exists():
-                shutil.rmtree(work, ignore_errors=True)
-    prepared = {str(source): out for source, out in zip(inputs, outputs, strict=True)}
-    return prepared, entry / REPORT_DIR
+            report.write(work / report_file)
+    shutil.copytree(entry, folder, dirs_exist_ok=True)
+    return method.report.read(entry / report_file)
 
 
-def _with_prepared_models(
-    config: MergeConfiguration, prepared: dict[str, Path]
-) -> MergeConfiguration:
-    def swap(ref: ModelReference) -> ModelReference:
-        target = prepared[str(model_dir(ref.model.path))]
-        return ModelReference.model_validate(str(target))
-
-    update = {"models": [m.model_copy(update={"model": swap(m.model)}) for m in config.models]}
-    if config.base_model is not None:
-        update["base_model"] = swap(config.base_model)
-    return config.model_copy(update=update, deep=True)
+def _compare(
+    comparison: Comparison,
+    recipe: Recipe,
+    scratch: Path,
+    options: MergeOptions,
+    cache_dir: Path,
+) -> Compared:
+    """Run one comparison merge into ``scratch``."""
+    folder = scratch / comparison.name
+    if comparison.merge_method is not None:
+        config = recipe.config.model_copy(update={"merge_method": comparison.merge_method})
+        merge(config, folder, options)
+        return Compared(folder)
+    settings = comparison.settings
+    other = prepare(recipe.method, settings, recipe.config, options, cache_dir, Processes())
+    merge_prepared(recipe.config, settings, other, folder, options)
+    return Compared(folder, other.preparation)

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from lmc_mergekit.data.sequences import DataConfig
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.staging import staged_output
+from lmc_mergekit.runtime.publish import staged_folder
 from lmc_mergekit.zoo.architectures import ZOO_ARCHITECTURES, check_architecture, zoo_config
 from lmc_mergekit.zoo.tokenizer import cached_tokenizer, data_fingerprint
 from lmc_mergekit.zoo.train import DEFAULT_LR, DEFAULT_WARMUP, train_model
@@ -124,7 +124,7 @@ def build_zoo_model(
     config = zoo_config(arch, hidden, layers, len(tokenizer), seq_len, tokenizer.eos_token_id)
     # Training runs inside the staged folder: an interrupted build leaves only a hidden
     # ".<name>.partial-*" folder (removed on any Python-level error), never a finished-looking one.
-    with staged_output(out, overwrite=True) as tmp:
+    with staged_folder(out, "replace") as tmp:
         model, record = train_model(
             config,
             tokenizer,

@@ -7,8 +7,6 @@ size, so that every model trained on the same text shares one tokenizer.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -18,7 +16,8 @@ from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.data.sequences import DataConfig
 from lmc_mergekit.data.sources import HUB_PREFIX, iter_texts
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.staging import staged_output
+from lmc_mergekit.runtime.keys import content_key, size_and_mtime
+from lmc_mergekit.runtime.publish import staged_folder
 
 SPECIAL_TOKEN = "<|endoftext|>"
 # Bump when the training recipe changes, so that cached tokenizers are retrained.
@@ -70,17 +69,12 @@ def data_fingerprint(source: str | Path | None, field: str = "text") -> str:
             "source": str(path),
             "field": field,
             "files": [
-                [p.relative_to(path).as_posix() if p != path else p.name, *_size_and_mtime(p)]
+                [p.relative_to(path).as_posix() if p != path else p.name, *size_and_mtime(p)]
                 for p in files
                 if p.is_file()
             ],
         }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _size_and_mtime(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_size, stat.st_mtime_ns
+    return content_key(payload, 12)
 
 
 def cached_tokenizer(
@@ -89,13 +83,13 @@ def cached_tokenizer(
     """The folder under ``root`` holding the tokenizer trained on ``source``; trained and saved
     there on first use (``AutoTokenizer.from_pretrained`` loads it)."""
     key = {"data": data_fingerprint(source, field), "vocab": vocab_size, "v": TOKENIZER_VERSION}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = content_key(key, 16)
     folder = Path(root).expanduser().absolute() / TOKENIZER_CACHE / f"bpe{vocab_size}-{digest}"
     if (folder / "tokenizer.json").is_file():
         return folder
     tokenizer = train_tokenizer(DataConfig(source=_as_str(source), field=field), vocab_size)
     # A folder without tokenizer.json can only be debris: replace it.
-    with staged_output(folder, overwrite=True) as tmp:
+    with staged_folder(folder, "replace") as tmp:
         tokenizer.save_pretrained(tmp)
     return folder
 

@@ -7,7 +7,6 @@ gives the same weights, bit for bit, on the same machine and software.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from lmc_mergekit.data.sequences import DataConfig, load_split
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES, mean_token_loss
+from lmc_mergekit.runtime.schedule import warmup_cosine
 
 # Tuned on the bundled corpus for a 4-layer d=128 GPT-NeoX, batch 16x128, 1500 steps.
 DEFAULT_LR = 6e-3
@@ -116,7 +116,7 @@ def continue_training(
     train = train.to(device)
     optimizer = _adamw(model, lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: _lr_factor(step, warmup, steps)
+        optimizer, lambda step: warmup_cosine(step, steps, warmup, MIN_LR_FRACTION)
     )
     batches = _batch_indices(len(train), batch_size, seed)
     tokens_per_step = batch_size * train.shape[1]
@@ -172,14 +172,6 @@ def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def _lr_factor(step: int, warmup: int, steps: int) -> float:
-    """Linear warm-up to 1, then a cosine down to :data:`MIN_LR_FRACTION` at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _batch_indices(count: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:

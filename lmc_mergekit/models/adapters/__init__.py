@@ -9,7 +9,7 @@ from lmc_mergekit.models.adapters.base import Adapter, CheckpointView, load_conf
 from lmc_mergekit.models.adapters.gpt2 import GPT2Adapter
 from lmc_mergekit.models.adapters.gpt_neox import GPTNeoXAdapter
 from lmc_mergekit.models.adapters.llama import LlamaAdapter
-from lmc_mergekit.models.checkpoint import model_dir, read_config
+from lmc_mergekit.models.checkpoint import check_checkpoint, model_dir, read_config
 
 ADAPTERS: tuple[Adapter, ...] = (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter())
 SUPPORTED_MODEL_TYPES = tuple(sorted(t for a in ADAPTERS for t in a.model_types))
@@ -28,6 +28,7 @@ def adapter_for(model_type: str) -> Adapter:
 def open_model(path: str | Path, trust_remote_code: bool = False) -> CheckpointView:
     """A lazy canonical view of the checkpoint folder at ``path``."""
     folder = model_dir(path)
+    check_checkpoint(folder)
     model_type = read_config(folder).get("model_type")
     adapter = adapter_for(str(model_type))
     return adapter.open(folder, load_config(folder, trust_remote_code))

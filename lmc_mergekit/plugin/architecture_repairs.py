@@ -1,6 +1,6 @@
-"""Repair of mergekit 0.1.5's GPT-NeoX architecture definition.
+"""Repairs of mergekit 0.1.5's architecture definitions that current checkpoints do not match.
 
-The shipped ``gpt-neox.json`` requires ``attention.bias``, ``attention.masked_bias`` and
+GPT-NeoX: the shipped ``gpt-neox.json`` requires ``attention.bias``, ``attention.masked_bias`` and
 ``attention.rotary_emb.inv_freq`` in every layer; checkpoints saved by current transformers lack
 these buffers, so every GPT-NeoX merge fails. The repaired entry marks them optional and lets the
 head be read under either of its names (``embed_out`` on the Hub, ``lm_head`` from some tools).
@@ -31,8 +31,8 @@ def repaired_definition() -> dict:
     return data
 
 
-def repair_gpt_neox() -> None:
-    """Replace mergekit's GPT-NeoX entry by the repaired one (idempotent)."""
+def repair_architectures() -> None:
+    """Replace mergekit's entries by the repaired ones (idempotent)."""
     fixed = json_definitions._load_architecture_json(json.dumps(repaired_definition()))
     entries = json_definitions.NAME_TO_ARCH.get(ARCH_NAME, [])
     json_definitions.NAME_TO_ARCH[ARCH_NAME] = [

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lmc_mergekit.errors import LmcError
+
 
 @dataclass(frozen=True)
 class Processes:
@@ -49,6 +51,13 @@ def processes(device: torch.device | None = None) -> Processes:
     if world_size == 1:
         return Processes()
     if not dist.is_initialized():
+        missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+        if missing:
+            raise LmcError(
+                f"WORLD_SIZE is {world_size} but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set; start "
+                "several processes with torchrun or accelerate launch, or unset WORLD_SIZE"
+            )
         cuda = device is not None and device.type == "cuda"
         dist.init_process_group(backend="nccl" if cuda else "gloo")
     return Processes(rank=dist.get_rank(), world_size=dist.get_world_size())

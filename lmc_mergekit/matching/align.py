@@ -1,0 +1,147 @@
+"""Aligning several models into one basin: weight matching onto the first, then (optionally)
+learned matching of every model at once. The ``lmc_dm`` pass and the benchmarks both run this.
+
+Every model is compared with its norms absorbed. The first is the reference: weight matching
+moves each other one onto it; learned matching then trains continuous symmetries of all of them
+(the first too, unless one-sided) on calibration sequences, starting from the weight-matched
+models. With a ``state_dir``, weight matching's result is kept there so that a run interrupted
+during learning resumes without matching again (learned matching checkpoints itself there too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lmc_mergekit.matching.learned_matching import LearningConfig, LearningResult, learn_symmetries
+from lmc_mergekit.matching.weight_matching import match_weights
+from lmc_mergekit.models.adapters.base import CheckpointView
+from lmc_mergekit.models.functional import FunctionalModel
+from lmc_mergekit.models.view import InMemoryView, ModelSpec, ModelView, materialize
+from lmc_mergekit.runtime.distributed import Processes
+from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.symmetry.transform import load_transform, save_transform
+
+# Inside the state folder: the weight-matching transform of model i (i ≥ 1).
+MATCHED_FILE = "weight-matching-{}.safetensors"
+
+
+@dataclass(frozen=True)
+class AlignConfig:
+    """``matching``: ``weights`` (weight matching, then learned matching when ``learning`` is
+    given) or ``none`` (the models as they are: the baseline); ``max_iterations``: most rounds of
+    weight matching."""
+
+    matching: Literal["none", "weights"] = "weights"
+    max_iterations: int = 30
+    learning: LearningConfig | None = None
+
+
+@dataclass
+class Alignment:
+    """Per model, its weight-matching transform and its final one (weight matching then learned
+    matching), with a record of each match and the learning run."""
+
+    matched: list[Transform]
+    final: list[Transform]
+    matching: list[dict] = field(default_factory=list)
+    learning: LearningResult | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def align(
+    views: list[CheckpointView],
+    config: AlignConfig,
+    calibration: torch.Tensor | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    state_dir: Path | None = None,
+    processes: Processes | None = None,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+    on_checkpoint: Callable[[int, list[Transform]], None] | None = None,
+) -> Alignment:
+    """Align ``views`` (one architecture and shape; the first is the reference). Learned
+    matching (``config.learning``) trains on ``calibration`` token ids ``(n, L)``."""
+    processes = processes or Processes()
+    started = time.perf_counter()
+    keep = state_dir if config.learning is not None and processes.is_main else None
+    matched, matching = match_all(views, config, state_dir, keep, progress)
+    alignment = Alignment(matched, matched, matching)
+    alignment.seconds["matching"] = time.perf_counter() - started
+    if config.learning is None:
+        return alignment
+    started = time.perf_counter()
+    endpoints = moved(views, matched)
+    model = functional_model(views[0], endpoints[0].spec, torch.device(device), trust_remote_code)
+    result = learn_symmetries(
+        endpoints,
+        model,
+        calibration,
+        config.learning,
+        state_dir=state_dir,
+        processes=processes,
+        progress=progress,
+        on_checkpoint=on_checkpoint,
+    )
+    alignment.final = [t.then(u) for t, u in zip(matched, result.transforms, strict=True)]
+    alignment.learning = result
+    alignment.seconds["learning"] = time.perf_counter() - started
+    return alignment
+
+
+def match_all(
+    views: list[CheckpointView],
+    config: AlignConfig,
+    reuse_from: Path | None = None,
+    keep_in: Path | None = None,
+    progress: bool = False,
+) -> tuple[list[Transform], list[dict]]:
+    """Every model's transform onto the first (the first's absorbs its norms) and a record per
+    other model; a transform saved in ``reuse_from`` is reused, a new one saved in ``keep_in``."""
+    absorb = config.matching != "none"
+    transforms = [Transform(views[0].spec.num_layers, absorb_norms=absorb)]
+    records = []
+    for index, view in enumerate(views[1:], start=1):
+        if not absorb:
+            transforms.append(Transform(view.spec.num_layers))
+            continue
+        saved = None if reuse_from is None else reuse_from / MATCHED_FILE.format(index)
+        if saved is not None and saved.is_file():
+            transforms.append(load_transform(saved))
+            records.append({"model": str(view.folder), "reused": str(saved)})
+            continue
+        result = match_weights(
+            views[0], view, max_iterations=config.max_iterations, progress=progress
+        )
+        transforms.append(result.transform)
+        if keep_in is not None:
+            keep_in.mkdir(parents=True, exist_ok=True)
+            save_transform(result.transform, keep_in / MATCHED_FILE.format(index))
+        records.append(
+            {
+                "model": str(view.folder),
+                "iterations": result.iterations,
+                "seconds": round(result.seconds, 3),
+                "relative_distance": {"before": result.distances[0], "after": result.distance},
+            }
+        )
+    return transforms, records
+
+
+def moved(views: list[ModelView], transforms: list[Transform]) -> list[InMemoryView]:
+    """Each model moved by its transform, in memory."""
+    return [materialize(apply_transform(v, t)) for v, t in zip(views, transforms, strict=True)]
+
+
+def functional_model(
+    source: CheckpointView, spec: ModelSpec, device: torch.device, trust_remote_code: bool = False
+) -> FunctionalModel:
+    """The stock module learned matching runs the mixes on: ``source``'s architecture with the
+    moved models' ``spec`` (their norms absorbed)."""
+    return FunctionalModel(source.folder, source.adapter, spec, device, trust_remote_code)

@@ -1,0 +1,116 @@
+"""The mergekit merge methods that combine what the plugin's pre-merge passes prepared.
+
+Each refuses inputs its own pass did not prepare (they carry a provenance mark, see
+:mod:`lmc_mergekit.runtime.provenance`): run through plain mergekit on raw checkpoints it would
+silently compute a meaningless merge. The refusal comes while mergekit plans the merge, before
+it writes anything, as a one-line click error (plain ``mergekit-yaml`` is a click command).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import ClassVar
+
+import click
+import torch
+from mergekit.common import ModelReference
+from mergekit.merge_methods.api import merge_tensors
+from mergekit.merge_methods.base import (
+    GroupMergeMethod,
+    InputContract,
+    MergeMethodSpec,
+    ParameterScope,
+    ParameterSpec,
+    PerInputValues,
+    TensorGroup,
+)
+
+from lmc_mergekit.latent.tensor_merge import merge_key
+from lmc_mergekit.runtime.provenance import prepared_by
+
+
+class PluginOnly(click.ClickException):
+    """A plugin method called on inputs its pre-merge pass did not prepare (plain mergekit)."""
+
+
+class PreparedInputMerge(GroupMergeMethod):
+    """Weighted average of prepared inputs, per tensor, with mergekit's own ``linear`` kernel."""
+
+    #: Parameters besides ``weight`` and ``normalize``.
+    extra_parameters: ClassVar[tuple[ParameterSpec, ...]] = ()
+
+    def __init__(self, name: str, pretty_name: str, reference_url: str):
+        self.spec = MergeMethodSpec(
+            name=name,
+            parameters=(
+                ParameterSpec("weight", float, ParameterScope.INPUT, default=1.0),
+                ParameterSpec("normalize", bool, ParameterScope.SHARED, default=True),
+                *self.extra_parameters,
+            ),
+            contract=InputContract(min_inputs=1),
+            pretty_name=pretty_name,
+            reference_url=reference_url,
+        )
+
+    def validate_inputs(
+        self,
+        input_ids: Sequence[Hashable],
+        base_id: Hashable | None = None,
+        *,
+        group_name: str | None = None,
+    ) -> None:
+        super().validate_inputs(input_ids, base_id, group_name=group_name)
+        name = self.spec.name
+        for ref in [*input_ids, base_id]:
+            if isinstance(ref, ModelReference) and prepared_by(ref.model.path) != name:
+                raise PluginOnly(
+                    f"{name}: input {ref.model.path} did not come out of {name}'s pre-merge "
+                    f"pass; {name} is an lmc-mergekit method: run the recipe with "
+                    "`lmc-mergekit-yaml RECIPE OUT`, not mergekit-yaml"
+                )
+
+    def merge_group(
+        self, group: TensorGroup, /, weight: PerInputValues, normalize: bool
+    ) -> torch.Tensor:
+        return merge_tensors(
+            group.tensors,
+            "linear",
+            parameters={"weight": weight.values_for(group.entries), "normalize": normalize},
+        )
+
+
+class LatentMerge(PreparedInputMerge):
+    """``ls_merge``: each input's latents of the tensor (its posterior mean, or the mean of
+    ``samples`` posterior draws), averaged with the inputs' weights, decoded by the
+    autoencoder that encoded them (plus the inputs' averaged reconstruction residuals unless
+    ``residuals`` is false). The tensors mergekit loads (each input's own encode–decode)
+    only fix the output's shape and dtype."""
+
+    extra_parameters: ClassVar[tuple[ParameterSpec, ...]] = (
+        ParameterSpec("samples", int, ParameterScope.SHARED, default=0),
+        ParameterSpec("seed", int, ParameterScope.SHARED, default=0),
+        ParameterSpec("residuals", bool, ParameterScope.SHARED, default=True),
+    )
+
+    def merge_group(
+        self,
+        group: TensorGroup,
+        /,
+        weight: PerInputValues,
+        normalize: bool,
+        samples: int,
+        seed: int,
+        residuals: bool,
+    ) -> torch.Tensor:
+        like = group.entries[0].tensor
+        merged = merge_key(
+            group.metadata.name,
+            [entry.id.model.path for entry in group.entries],
+            list(weight.values_for(group.entries)),
+            normalize,
+            samples,
+            seed,
+            residuals,
+            like.device,
+        )
+        return merged.to(device=like.device, dtype=like.dtype)

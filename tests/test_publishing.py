@@ -1,0 +1,125 @@
+"""Publishing folders: whole or not at all, with the usual permissions, and no debris left by
+runs that were killed outright."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from tiny_models import build_model
+from tokenizer_helpers import model_with_tokenizer
+
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
+from lmc_mergekit.runtime.publish import remove_stale_staging, staged_folder
+
+
+def usual_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
+def test_existing_folders_are_refused_replaced_or_kept(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("mine")
+    with pytest.raises(ValueError, match="--overwrite"), staged_folder(out):
+        pass
+    with staged_folder(out, "keep") as staging:  # a cache entry a concurrent run published
+        (staging / "late.txt").write_text("late")
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+    with staged_folder(out, "replace") as staging:
+        (staging / "new.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert (out.stat().st_mode & 0o777) == usual_mode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_only_staging_folders_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    dead_pid = int(dead.stdout)
+    from lmc_mergekit.runtime.publish import _host
+
+    host = _host()
+    stale = tmp_path / f".out.partial-{host}-{dead_pid}-abc123"
+    live = tmp_path / f".out.partial-{host}-{os.getpid()}-def456"
+    elsewhere = tmp_path / f".out.partial-otherhost-{dead_pid}-ghi789"
+    other_name = tmp_path / f".cache-entry.partial-{host}-{dead_pid}-jkl012"
+    unrelated = tmp_path / ".out.partial-old"
+    for folder in (stale, live, elsewhere, other_name, unrelated):
+        folder.mkdir()
+    assert remove_stale_staging(tmp_path, "out") == [stale]
+    assert remove_stale_staging(tmp_path) == [other_name]  # every name (a cache folder)
+    assert all(p.is_dir() for p in (live, elsewhere, unrelated))
+
+
+KILLED_RUN = textwrap.dedent(
+    """
+    import os, signal, sys
+    import lmc_mergekit.plugin.pipeline as pipeline
+    from lmc_mergekit.plugin.cli import mergekit_yaml_main
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # Die outright in the middle of the pre-merge pass, after it wrote into its staging folder.
+    pipeline.write_provenance = killed
+    mergekit_yaml_main(sys.argv[1:])
+    """
+)
+
+
+def test_a_run_killed_outright_leaves_no_debris_after_the_next_run(tmp_path):
+    a, b = (build_model("llama", tmp_path / name, seed=seed) for seed, name in enumerate("ab"))
+    recipe = tmp_path / "recipe.yml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "lmc_dm",
+                "models": [{"model": str(a)}, {"model": str(b)}],
+                "dtype": "float32",
+                "alignment": {"steps": 0, "evaluate": False},
+            }
+        )
+    )
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = [str(recipe), str(out), "--quiet", "--lmc-cache", str(cache)]
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *args], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL
+    assert list(tmp_path.glob(".out.partial-*")) and list(cache.glob("lmc_dm/.*.partial-*"))
+    assert not out.exists()
+    result = CliRunner().invoke(mergekit_yaml_main, args)
+    assert result.exit_code == 0, result.output
+    assert not list(tmp_path.glob(".out.partial-*"))
+    assert not list(cache.rglob("*.partial-*"))
+    assert (out / "model.safetensors").is_file()
+
+
+def test_cache_entries_get_the_usual_permissions(tmp_path):
+    a, b = (model_with_tokenizer(tmp_path / n, "llama", seed=s) for s, n in enumerate("ab"))
+    cache = tmp_path / "cache"
+    for method, section in (
+        ("lmc_dm", {"alignment": {"steps": 0, "evaluate": False}}),
+        ("ls_merge", {"latent": {"steps": 10, "width": 16, "evaluate": False}}),
+    ):
+        recipe = tmp_path / f"{method}.yml"
+        body = {"merge_method": method, "models": [{"model": str(a)}, {"model": str(b)}]}
+        recipe.write_text(yaml.safe_dump({**body, "dtype": "float32", **section}))
+        out = tmp_path / f"out-{method}"
+        args = [str(recipe), str(out), "--quiet", "--lmc-cache", str(cache)]
+        result = CliRunner().invoke(mergekit_yaml_main, args)
+        assert result.exit_code == 0, result.output
+    published = [p.parent for p in cache.rglob("preparation.json")]
+    published += [p.parent for p in cache.rglob("autoencoder.safetensors")]
+    published += [p for p in cache.glob("*/measurements/*")]
+    assert len(published) == 5
+    for folder in published:
+        assert (folder.stat().st_mode & 0o777) == usual_mode(), folder
