@@ -240,6 +240,10 @@ def test_heterogeneous_merge_decodes_with_the_target_shapes(tmp_path):
             torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6)
     q = "model.layers.1.self_attn.q_proj.weight"
     assert not torch.allclose(merged[q], original[q], atol=1e-4)
+    # The same inputs without naming the target: refused, although their encodings are cached.
+    refused_out = tmp_path / "no-target"
+    recipe = recipe_for(target, source, weights=[0.9, 0.1], evaluate=False)
+    refused(run_yaml(recipe, tmp_path, refused_out), refused_out, "heterogeneous", "base_model")
 
 
 def test_layer_map_and_resampling():
@@ -408,3 +412,17 @@ def test_compression_ratio_out_of_range_is_refused(pair, tmp_path, ratio, phrase
 def test_one_model_without_self_merge_setting_is_refused(pair, tmp_path):
     out = tmp_path / "out"
     refused(run_yaml(recipe_for(pair[0]), tmp_path, out), out, "one model", "samples")
+    # Also when a self-merge of it is cached (samples steer only the merge, not the pass).
+    merged_ok(
+        run_yaml(recipe_for(pair[0], samples=1), tmp_path, tmp_path / "self"), tmp_path / "self"
+    )
+    refused(run_yaml(recipe_for(pair[0]), tmp_path, out), out, "one model", "samples")
+
+
+def test_recipes_without_weights_are_compared_with_weight_averaging(pair, tmp_path):
+    recipe = recipe_for(*pair)
+    for entry in recipe["models"]:
+        del entry["parameters"]  # the plugin weighs every model 1; mergekit's linear needs it
+    report = merged_ok(run_yaml(recipe, tmp_path, tmp_path / "out"), tmp_path / "out")
+    assert report["weight_average"]["test_loss"] > 0
+    assert report["noise_floor"] is None  # evaluated, without a second autoencoder (FAST)

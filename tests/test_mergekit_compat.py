@@ -245,3 +245,14 @@ def test_plugin_recipes_take_relative_paths_wherever_a_model_is_named(workdir, m
     assert dm.keys() == lin.keys() and all(dm[k].equal(lin[k]) for k in dm)
     card = (workdir / "dm-relative" / "README.md").read_text()
     assert "* a\n* ./b\n" in card and "| `./b` | `lmc_dm/" in card
+
+
+def test_home_relative_model_paths_are_expanded(workdir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(workdir))
+    recipe = dict(RECIPES["linear"])
+    recipe["models"] = [{"model": "~/a", "parameters": {"weight": 1.0}}, {"model": "~/b"}]
+    recipe["models"][1]["parameters"] = {"weight": 1.0}
+    path = write(tmp_path, "home", recipe)
+    result = CliRunner().invoke(mergekit_yaml_main, [str(path), str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "* ~/a\n* ~/b\n" in (tmp_path / "out" / "README.md").read_text()

@@ -143,3 +143,20 @@ def test_changing_only_the_evaluation_reuses_the_prepared_inputs(trained_pair, t
     assert third["pairs"] == [] and "merged" not in third
     assert again == second
     assert len(list(cache.glob("lmc_dm/measurements/*"))) == 3
+
+
+def test_the_prepared_key_follows_the_text_and_the_device(tmp_path):
+    from lmc_mergekit.passes.subclone import SubcloneSettings
+    from lmc_mergekit.plugin.cache import preparation_key
+
+    text = tmp_path / "text.txt"
+    text.write_text("some calibration text")
+    settings = SubcloneSettings(hidden_size=8, data=str(text))
+    model = tmp_path / "model"
+    model.mkdir()
+    key = preparation_key("subclone_compensate", settings, [model], "cpu")
+    text.write_text("other calibration text, edited in place")
+    edited = preparation_key("subclone_compensate", settings, [model], "cpu")
+    assert edited != key
+    assert preparation_key("subclone_compensate", settings, [model], "cuda") != edited
+    assert preparation_key("subclone_compensate", settings, [model], "cpu") == edited

@@ -41,6 +41,24 @@ def test_existing_folders_are_refused_replaced_or_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_what_appears_while_a_run_works_is_never_overwritten(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="--overwrite"), staged_folder(out) as staging:
+        (staging / "mine.txt").write_text("staged")
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+    # A cache entry is kept only when complete; an incomplete one is debris and is replaced.
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    with staged_folder(entry, "keep", complete="done.json") as staging:
+        (staging / "done.json").write_text("{}")
+    assert [p.name for p in entry.iterdir()] == ["done.json"]
+    with staged_folder(entry, "keep", complete="done.json") as staging:
+        (staging / "later.json").write_text("{}")
+    assert [p.name for p in entry.iterdir()] == ["done.json"]
+
+
 def test_only_staging_folders_of_dead_processes_are_removed(tmp_path):
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True

@@ -14,6 +14,7 @@ from typing import Any
 
 from lmc_mergekit.data.corpus import bundled_text_files
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.runtime.keys import content_key, size_and_mtime
 
 TEXT_PIECE_CHARS = 1 << 20
 FOLDER_SUFFIXES = (".txt", ".md", ".jsonl")
@@ -26,6 +27,29 @@ REFUSED_SUFFIXES = {
     ".parquet": "load it with datasets and save_to_disk, then pass that folder",
     ".arrow": "load it with datasets and save_to_disk, then pass that folder",
 }
+
+
+def data_fingerprint(source: str | Path | None, field: str = "text") -> str:
+    """A short hex key of the text ``source`` names: the bundled corpus (file names and sizes),
+    a Hub dataset's name, or the path, field and every file's name, size and modification
+    time."""
+    if source is None:
+        payload: dict = {"bundled": [[p.name, p.stat().st_size] for p in bundled_text_files()]}
+    elif str(source).startswith(HUB_PREFIX):  # a Hub dataset: only its name is known here
+        payload = {"hub": str(source), "field": field}
+    else:
+        path = Path(source).expanduser().absolute()
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        payload = {
+            "source": str(path),
+            "field": field,
+            "files": [
+                [p.relative_to(path).as_posix() if p != path else p.name, *size_and_mtime(p)]
+                for p in files
+                if p.is_file()
+            ],
+        }
+    return content_key(payload, 12)
 
 
 def iter_texts(source: str | Path | None, field: str = "text") -> Iterator[str]:

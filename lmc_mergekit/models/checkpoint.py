@@ -102,17 +102,24 @@ def _safetensors_names(path: Path) -> set[str]:
 
 
 def first_non_finite(folder: Path) -> tuple[str, int] | None:
-    """The first floating tensor of the checkpoint in ``folder`` that holds NaN or Inf values,
-    and how many; None when every value is finite. Reads one tensor at a time."""
+    """The first floating tensor of the checkpoint in ``folder`` (safetensors or pickled
+    shards) that holds NaN or Inf values, and how many; None when every value is finite."""
+    for name, tensor in _stored_tensors(folder):
+        if tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                return name, bad
+    return None
+
+
+def _stored_tensors(folder: Path):
+    """Every stored tensor, one safetensors tensor (or one pickled shard) at a time."""
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as fp:
             for name in fp.keys():
-                tensor = fp.get_tensor(name)
-                if tensor.is_floating_point():
-                    bad = int((~torch.isfinite(tensor)).sum())
-                    if bad:
-                        return name, bad
-    return None
+                yield name, fp.get_tensor(name)
+    for shard in sorted(folder.glob("*.bin")):
+        yield from torch.load(shard, map_location="cpu", weights_only=True).items()
 
 
 class CheckpointReader:

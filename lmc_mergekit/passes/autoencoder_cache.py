@@ -79,7 +79,7 @@ def obtain_autoencoder(
         "models": [str(p) for p in models],
     }
     # A concurrent run that finished first wins, so the published file is the one to use.
-    with staged_folder(folder, "keep", sweep_siblings=True) as work:
+    with staged_folder(folder, "keep", sweep_siblings=True, complete=AUTOENCODER_FILE) as work:
         save_autoencoder(model, work / AUTOENCODER_FILE)
         (work / RECORD_FILE).write_text(json.dumps(record, indent=2), encoding="utf-8")
     record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))

@@ -46,6 +46,13 @@ class Section(BaseModel):
         its cache key)."""
         return []
 
+    def check_inputs(
+        self, inputs: list[Path], base_model: Path | None, trust_remote_code: bool = False
+    ) -> None:
+        """A one-line error for inputs (the recipe's ``base_model`` first) that these settings
+        cannot merge, checked before the cache is consulted: what only steers the merge is not
+        part of the prepared inputs' key."""
+
 
 class TextSettings(Section):
     """The text a method calibrates and evaluates on, and whether it measures at all."""

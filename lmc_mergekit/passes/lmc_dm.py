@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot_paths
-from lmc_mergekit.matching.align import AlignConfig, align
+from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, align
 from lmc_mergekit.matching.learned_matching import LearningConfig
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
@@ -33,8 +33,6 @@ from lmc_mergekit.transform_checkpoint import transform_checkpoint
 DEFAULT_STEPS = 200
 PLOT_FILE = "lmc_barrier.png"
 LABELS = {"raw": "raw", "matched": "weight matching", "learned": "learned matching"}
-# In the pass's artefacts: model i's weight-matching transform, for the measurement.
-MATCHED_FILE = "weight-matching-{}.safetensors"
 # Settings that only learned matching reads (they change nothing with steps: 0).
 LEARNING_KEYS = (
     "lr",
@@ -261,7 +259,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
     started = time.perf_counter()
     write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx)
     seconds["writing_and_self_check"] = time.perf_counter() - started
-    if learning is not None:  # the measurement walks the weight-matched paths too
+    if learning is not None:  # the measurement walks the weight-matched paths too (same files)
         ctx.artefacts.mkdir(parents=True, exist_ok=True)
         for index, transform in enumerate(alignment.matched):
             save_transform(transform, ctx.artefacts / MATCHED_FILE.format(index))

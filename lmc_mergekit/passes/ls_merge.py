@@ -110,6 +110,18 @@ class LatentSettings(TextSettings):
             folders.append(Path(self.autoencoder).expanduser().resolve().parent)
         return folders
 
+    def check_inputs(
+        self, inputs: list[Path], base_model: Path | None, trust_remote_code: bool = False
+    ) -> None:
+        if len(inputs) == 1 and self.samples == 0:
+            raise LmcError(
+                "ls_merge got one model and no self-merge setting; set latent: samples: K (a "
+                "self-merge of K posterior samples) or list more models"
+            )
+        views = [open_model(path, trust_remote_code) for path in inputs]
+        _check_one_family(views + [open_model(p, trust_remote_code) for p in self.extra_models])
+        merge_kind(views, base_model)
+
     def merge_parameters(self) -> dict:
         """mergekit parameters of the ``ls_merge`` method that this section sets."""
         return {
@@ -180,7 +192,7 @@ class LatentReport(Report):
     """``ls_report.json``."""
 
     file_name: ClassVar[str] = "ls_report.json"
-    omit_if_none: ClassVar[tuple[str, ...]] = ("merged", "weight_average", "noise_floor")
+    omit_if_none: ClassVar[tuple[str, ...]] = ("merged", "weight_average")
 
     method: str = "ls_merge"
     kind: str
@@ -255,12 +267,7 @@ def prepare(ctx: PassContext) -> LatentPreparation | None:
     views = [open_model(path, ctx.options.trust_remote_code) for path in ctx.inputs]
     extra = [open_model(path, ctx.options.trust_remote_code) for path in settings.extra_models]
     _check_one_family(views + extra)
-    if len(views) == 1 and settings.samples == 0:
-        raise LmcError(
-            "ls_merge got one model and no self-merge setting; set latent: samples: K (a "
-            "self-merge of K posterior samples) or list more models"
-        )
-    kind = _merge_kind(views, ctx.base_model)
+    kind = merge_kind(views, ctx.base_model)
     ctx.load_test()  # data before any heavy work
     models = [LatentInput.read(view) for view in views]
     if kind == "heterogeneous":  # before any training: every target tensor needs a source
@@ -379,7 +386,7 @@ def _check_one_family(views) -> None:
             )
 
 
-def _merge_kind(views, base_model: Path | None) -> str:
+def merge_kind(views, base_model: Path | None) -> str:
     """``self-merge``, ``homogeneous`` or ``heterogeneous`` (then the target comes first)."""
     if len(views) == 1:
         return "self-merge"

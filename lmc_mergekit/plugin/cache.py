@@ -17,6 +17,7 @@ from pathlib import Path
 from mergekit.options import MergeOptions
 
 from lmc_mergekit import __version__
+from lmc_mergekit.data.sources import data_fingerprint
 from lmc_mergekit.passes.base import Section
 from lmc_mergekit.runtime.keys import content_key, fingerprint
 
@@ -40,13 +41,16 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LMC_MERGEKIT_CACHE", "~/.cache/lmc-mergekit")).expanduser()
 
 
-def preparation_key(method: str, settings: Section, inputs: list[Path]) -> str:
-    """The key of the prepared inputs of ``method`` with ``settings`` for ``inputs``."""
+def preparation_key(method: str, settings: Section, inputs: list[Path], device: str) -> str:
+    """The key of the prepared inputs of ``method`` with ``settings`` for ``inputs`` (in
+    recipe order, the base model first), computed on a ``device`` of that type (``cpu``,
+    ``cuda``)."""
     payload = {
         "method": method,
-        "settings": settings.preparation_settings(),
+        "settings": _with_text(settings.preparation_settings()),
         "version": __version__,
         "inputs": [fingerprint(path) for path in inputs + settings.dependencies()],
+        "device": device,
     }
     return content_key(payload)
 
@@ -57,9 +61,16 @@ def measurement_key(
     """The key of a measurement of the merge ``merge_config`` of prepared inputs."""
     payload = {
         "prepared": prepared_key,
-        "settings": settings.model_dump(mode="json"),
+        "settings": _with_text(settings.model_dump(mode="json")),
         "merge": merge_config,
         "options": options.model_dump(mode="json", include=NUMERIC_OPTIONS),
         "version": __version__,
     }
     return content_key(payload)
+
+
+def _with_text(settings: dict) -> dict:
+    """Settings that name a text (``data``) keyed by its files too, not only by its path."""
+    if "data" not in settings:
+        return settings
+    return {**settings, "text": data_fingerprint(settings["data"], settings.get("field", "text"))}

@@ -93,13 +93,13 @@ def mergekit_yaml_main(
     overwrite: bool,
 ) -> None:
     """Run a mergekit YAML recipe; the plugin's methods run their pre-merge pass first."""
-    from lmc_mergekit.plugin.pipeline import run_recipe_file
+    from lmc_mergekit.plugin.pipeline import launcher_rank, run_recipe_file
 
     merge_options.apply_global_options()
     out = run_recipe_file(
         config_file, out_path, merge_options, lmc_cache or default_cache_dir(), overwrite
     )
-    if not merge_options.quiet:
+    if not merge_options.quiet and launcher_rank() == 0:
         click.echo(f"merged model written to {out}")
 
 

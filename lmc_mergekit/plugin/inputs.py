@@ -81,6 +81,18 @@ def check_models(config: MergeConfiguration, local_only: bool) -> None:
             model_dir(path)  # the one-line error for a path that does not exist
 
 
+def expand_home(config: MergeConfiguration) -> MergeConfiguration:
+    """``config`` with ``~`` expanded in model paths (mergekit would take them for Hub ids)."""
+
+    def expand(ref: ModelReference) -> ModelReference:
+        if not ref.model.path.startswith("~"):
+            return ref
+        path = ref.model.model_copy(update={"path": str(Path(ref.model.path).expanduser())})
+        return ref.model_copy(update={"model": path})
+
+    return map_references(config, expand)
+
+
 def plugin_inputs(config: MergeConfiguration, method: str) -> list[Path]:
     """The distinct local checkpoint folders a plugin recipe merges, in recipe order (the base
     model first)."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from mergekit.config import MergeConfiguration
@@ -35,12 +36,18 @@ from lmc_mergekit.plugin.cache import (
     preparation_key,
 )
 from lmc_mergekit.plugin.card import write_card
-from lmc_mergekit.plugin.inputs import check_models, plugin_inputs, references, with_prepared
+from lmc_mergekit.plugin.inputs import (
+    check_models,
+    expand_home,
+    plugin_inputs,
+    references,
+    with_prepared,
+)
 from lmc_mergekit.plugin.methods import PluginMethod
 from lmc_mergekit.plugin.recipe import Recipe, read_recipe
 from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
 from lmc_mergekit.runtime.provenance import write_provenance
-from lmc_mergekit.runtime.publish import staged_folder
+from lmc_mergekit.runtime.publish import check_output_free, staged_folder
 from lmc_mergekit.runtime.records import Record
 
 LOG = logging.getLogger(__name__)
@@ -74,13 +81,21 @@ def run_recipe_file(
     out = Path(out).expanduser().absolute()
     cache_dir = Path(cache_dir).expanduser().absolute()
     existing = "replace" if overwrite else "refuse"
+    check_output_free(out, overwrite)  # in every process of a launcher, before any of them works
     check_models(recipe.config, local_only=recipe.method is not None)
     if recipe.method is None:
-        with staged_folder(out, existing) as folder:
-            merge(recipe.config, folder, options)
-            if options.write_model_card:
-                write_card(folder, recipe, out.name)
+        if launcher_rank() == 0:  # a built-in merge runs once, even under a launcher
+            with staged_folder(out, existing) as folder:
+                merge(recipe.config, folder, options)
+                if options.write_model_card:
+                    write_card(folder, recipe, out.name)
         return out
+    base = recipe.config.base_model
+    recipe.settings.check_inputs(
+        plugin_inputs(recipe.config, recipe.method.name),
+        None if base is None else model_dir(base.model.path),
+        options.trust_remote_code,
+    )
     procs = processes(pass_device(options))
     try:
         if not procs.is_main:  # the other processes of a launcher only help with the pass
@@ -126,6 +141,11 @@ def lazy_test_split(recipe: Recipe) -> Callable[[], Split | None]:
     return functools.cache(lambda: load_test_split(inputs, recipe.settings, recipe.method.section))
 
 
+def launcher_rank() -> int:
+    """This process's rank under a launcher (``torchrun``, ``accelerate launch``), else 0."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def _local(config: MergeConfiguration):
     return [ref for ref in references(config) if Path(ref.model.path).expanduser().exists()]
 
@@ -135,13 +155,13 @@ def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> No
     checked: nothing non-finite is ever kept."""
     no_card = options.model_copy(update={"write_model_card": False})
     try:
-        run_merge(config.model_copy(deep=True), str(folder), no_card)
+        run_merge(expand_home(config).model_copy(deep=True), str(folder), no_card)
     except LmcError:
         raise
     except (RuntimeError, ValueError, OSError) as error:
         if options.verbosity:
             raise
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise LmcError(f"mergekit: {message} (-v shows where)") from None
     bad = first_non_finite(folder)
     if bad is not None:
@@ -165,39 +185,43 @@ def prepare(
     """The prepared inputs of a plugin recipe: from the cache, or by running the method's
     pre-merge pass into a new entry (which calls ``load_test`` before its heavy work).
     Resumable state of an interrupted pass lives next to the entry until the pass succeeds. In
-    the other processes of a launcher the pass only helps (and None is returned)."""
+    the other processes of a launcher the pass only helps, writing nothing (and None is
+    returned, unless the entry exists already)."""
     inputs = tuple(plugin_inputs(config, method.name))
-    key = preparation_key(method.name, settings, list(inputs))
+    base = None if config.base_model is None else model_dir(config.base_model.model.path)
+    device = pass_device(options)
+    key = preparation_key(method.name, settings, list(inputs), device.type)
     root = cache_dir / method.name
     entry, state_dir = root / key, root / f".{key}.state"
     names = tuple(f"model-{index}" for index in range(len(inputs)))
-    base_model = config.base_model
-    ctx = PassContext(
-        method=method.name,
-        inputs=inputs,
-        outputs=tuple(entry / name for name in names),
-        settings=settings,
-        options=options,
-        artefacts=entry / ARTEFACTS_DIR,
-        state_dir=state_dir,
-        cache_dir=root,
-        base_model=None if base_model is None else model_dir(base_model.model.path),
-        processes=procs,
-        load_test=load_test,
-    )
+
+    def context(folder: Path) -> PassContext:
+        return PassContext(
+            settings=settings,
+            inputs=inputs,
+            options=options,
+            artefacts=folder / ARTEFACTS_DIR,
+            method=method.name,
+            outputs=tuple(folder / name for name in names),
+            state_dir=state_dir,
+            cache_dir=root,
+            base_model=base,
+            processes=procs,
+            load_test=load_test,
+        )
+
     if (entry / PREPARATION_FILE).is_file():
         LOG.info("reusing prepared inputs from %s", entry)
-    elif not procs.is_main:
-        method.prepare(ctx)  # helps the main process, which writes
+    elif not procs.is_main:  # helps the main process; anything it wrote would be thrown away
+        with tempfile.TemporaryDirectory(prefix="lmc-helper-") as scratch:
+            method.prepare(context(Path(scratch)))
         return None
     else:
         # A concurrent run that finished first wins: its entry is as good as this one.
-        with staged_folder(entry, "keep", sweep_siblings=True) as work:
-            outputs = tuple(work / name for name in names)
-            preparation = method.prepare(
-                replace(ctx, outputs=outputs, artefacts=work / ARTEFACTS_DIR)
-            )
-            for source, folder in zip(inputs, outputs, strict=True):
+        with staged_folder(entry, "keep", sweep_siblings=True, complete=PREPARATION_FILE) as work:
+            ctx = context(work)
+            preparation = method.prepare(ctx)
+            for source, folder in zip(inputs, ctx.outputs, strict=True):
                 write_provenance(folder, method.name, {"source": str(source), "cache_key": key})
             preparation.write(work / PREPARATION_FILE)
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -205,7 +229,7 @@ def prepare(
         key=key,
         entry=entry,
         inputs=inputs,
-        folders=ctx.outputs,
+        folders=context(entry).outputs,
         preparation=method.preparation.read(entry / PREPARATION_FILE),
     )
 
@@ -247,7 +271,7 @@ def measure(
     report_file = method.report.file_name
     if not (entry / report_file).is_file():
         with (
-            staged_folder(entry, "keep", sweep_siblings=True) as work,
+            staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
             tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
         ):
             compared = {
@@ -284,8 +308,13 @@ def _compare(
     """Run one comparison merge into ``scratch``."""
     folder = scratch / comparison.name
     if comparison.merge_method is not None:
-        config = recipe.config.model_copy(update={"merge_method": comparison.merge_method})
-        merge(config, folder, options)
+        # The plugin's methods weigh every model 1 unless told; a built-in method may not.
+        models = [
+            entry.model_copy(update={"parameters": {"weight": 1.0, **(entry.parameters or {})}})
+            for entry in recipe.config.models
+        ]
+        update = {"merge_method": comparison.merge_method, "models": models}
+        merge(recipe.config.model_copy(update=update), folder, options)
         return Compared(folder)
     settings = comparison.settings
     other = prepare(recipe.method, settings, recipe.config, options, cache_dir, Processes())

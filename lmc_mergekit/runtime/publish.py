@@ -75,16 +75,20 @@ Existing = Literal["refuse", "replace", "keep"]
 
 @contextmanager
 def staged_folder(
-    out: str | Path, existing: Existing = "refuse", sweep_siblings: bool = False
+    out: str | Path,
+    existing: Existing = "refuse",
+    sweep_siblings: bool = False,
+    complete: str | None = None,
 ) -> Iterator[Path]:
     """Yield an empty folder named like ``out`` inside a hidden staging folder beside it; on
     success it becomes ``out``, on any error it is removed.
 
-    ``existing`` says what happens to a folder already at ``out``: ``refuse`` it (an error
-    before any work, unless it is empty), ``replace`` it, or ``keep`` it and drop the staged
-    one (for caches, whose entries only ever appear complete: a concurrent run finished
-    first). Stale staging folders of ``out`` from dead processes are removed first (of every
-    name in ``out``'s parent with ``sweep_siblings``, for folders only this tool writes into).
+    ``existing`` says what happens to a folder found at ``out`` (when starting, and again when
+    publishing): ``refuse`` it unless it is empty (a one-line error), ``replace`` it, or
+    ``keep`` it and drop the staged one when it holds the file ``complete`` (for caches: a
+    concurrent run published first; a folder without that file is debris and is replaced).
+    Stale staging folders of ``out`` from dead processes are removed first (of every name in
+    ``out``'s parent with ``sweep_siblings``, for folders only this tool writes into).
     """
     out = Path(out).expanduser().absolute()
     if existing == "refuse":
@@ -97,10 +101,26 @@ def staged_folder(
     try:
         inner.mkdir()
         yield inner
-        if out.exists() and existing == "keep":
-            return
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
-        inner.rename(out)
+        _publish(inner, out, existing, complete)
     finally:
         shutil.rmtree(outer, ignore_errors=True)
+
+
+def _publish(inner: Path, out: Path, existing: Existing, complete: str | None) -> None:
+    def kept() -> bool:
+        return existing == "keep" and (complete is None or (out / complete).exists())
+
+    if kept():
+        return
+    if existing == "refuse":
+        check_output_free(out)  # something appeared there while this run worked
+    if out.exists() or out.is_symlink():
+        shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
+    try:
+        inner.rename(out)
+    except OSError:
+        if kept():  # a concurrent run published in between
+            return
+        raise LmcError(
+            f"could not publish {out}: something was written there while this run worked; run again"
+        ) from None

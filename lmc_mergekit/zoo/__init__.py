@@ -17,10 +17,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from lmc_mergekit.data.sequences import DataConfig
+from lmc_mergekit.data.sources import data_fingerprint
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.runtime.publish import staged_folder
 from lmc_mergekit.zoo.architectures import ZOO_ARCHITECTURES, check_architecture, zoo_config
-from lmc_mergekit.zoo.tokenizer import cached_tokenizer, data_fingerprint
+from lmc_mergekit.zoo.tokenizer import cached_tokenizer
 from lmc_mergekit.zoo.train import DEFAULT_LR, DEFAULT_WARMUP, train_model
 
 __all__ = [

@@ -12,11 +12,10 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.data.sequences import DataConfig
-from lmc_mergekit.data.sources import HUB_PREFIX, iter_texts
+from lmc_mergekit.data.sources import data_fingerprint, iter_texts
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.runtime.keys import content_key, size_and_mtime
+from lmc_mergekit.runtime.keys import content_key
 from lmc_mergekit.runtime.publish import staged_folder
 
 SPECIAL_TOKEN = "<|endoftext|>"
@@ -52,29 +51,6 @@ def train_tokenizer(data: DataConfig, vocab_size: int = 4096) -> PreTrainedToken
         unk_token=SPECIAL_TOKEN,
         pad_token=SPECIAL_TOKEN,
     )
-
-
-def data_fingerprint(source: str | Path | None, field: str = "text") -> str:
-    """A short hex key of the text ``source`` names: the bundled corpus (file names and sizes),
-    a Hub dataset's name, or the path, field and every file's name, size and modification
-    time."""
-    if source is None:
-        payload: dict = {"bundled": [[p.name, p.stat().st_size] for p in bundled_text_files()]}
-    elif str(source).startswith(HUB_PREFIX):  # a Hub dataset: only its name is known here
-        payload = {"hub": str(source), "field": field}
-    else:
-        path = Path(source).expanduser().absolute()
-        files = sorted(path.rglob("*")) if path.is_dir() else [path]
-        payload = {
-            "source": str(path),
-            "field": field,
-            "files": [
-                [p.relative_to(path).as_posix() if p != path else p.name, *size_and_mtime(p)]
-                for p in files
-                if p.is_file()
-            ],
-        }
-    return content_key(payload, 12)
 
 
 def cached_tokenizer(
