@@ -65,7 +65,7 @@ def test_unsupported_architecture(tmp_path):
         )
     ).save_pretrained(tmp_path)
     with pytest.raises(
-        LmcError, match=r"unsupported architecture 'bert'; supported: gpt2, gpt_neox, llama"
+        LmcError, match=r"unsupported architecture 'bert'; supported: gemma, gemma2, gemma3_text, "
     ):
         open_model(tmp_path)
 

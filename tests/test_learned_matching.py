@@ -33,6 +33,7 @@ from lmc_mergekit.models.functional import FunctionalModel
 from lmc_mergekit.models.view import materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.symmetry.group import symmetry_group
 from lmc_mergekit.symmetry.parametrize import FAMILIES, PARAMETRIZATIONS, LearnedSymmetry
 from lmc_mergekit.symmetry.rope import rope_commutation_error
 
@@ -66,8 +67,11 @@ def test_learned_symmetries_keep_the_function(model_dirs, tmp_path, variant, par
     view = open_model(src)
     transform = randomized(view.spec, parametrization).frozen_transform()
     transform.check_fits(view.spec)  # orthogonal, ones-fixing for LayerNorm, RoPE-commuting
-    assert transform.rotation is not None and transform.scale != 1.0
-    if view.spec.rotary_dims:
+    learnable = symmetry_group(view.spec).learnable
+    assert (transform.rotation is not None) == ("residual" in learnable)
+    assert transform.scale != 1.0
+    assert (transform.layers[0].qk is not None) == ("qk" in learnable)
+    if view.spec.rotary_dims and "qk" in learnable:
         assert rope_commutation_error(transform.layers[0].qk, view.spec.rotary_dims) < 1e-12
     view.adapter.save(apply_transform(view, transform), tmp_path / "out", src, progress=False)
     ids = probe_ids()
@@ -85,7 +89,16 @@ def test_zero_parameters_are_the_identity(model_dirs):
 
 
 @pytest.mark.parametrize(
-    "variant", ["gpt_neox_partial_rotary_parallel", "qwen2_gqa_bias_tied", "gpt2_tied"]
+    "variant",
+    [
+        "gpt_neox_partial_rotary_parallel",
+        "qwen2_gqa_bias_tied",
+        "gpt2_tied",
+        "qwen3_qk_norm_gqa",
+        "gemma2_softcap_windows",
+        "phi3_partial_rotary",
+        "olmo2",
+    ],
 )
 def test_objective_is_the_loss_of_the_mixed_checkpoint(tmp_path, variant):
     """The functional forward on mixed, moved weights equals transformers on the saved mix."""

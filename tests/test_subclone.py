@@ -18,7 +18,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import VOCAB, build_model, logits, probe_ids
+from tiny_models import VARIANTS, VOCAB, build_model, logits, probe_ids
 from tokenizer_helpers import model_with_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -32,8 +32,7 @@ from lmc_mergekit.models.view import ModelSpec, materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.subclone.compensation import RidgeFit
 from lmc_mergekit.subclone.convert import ConversionConfig, convert_model
-from lmc_mergekit.subclone.selection import kept_layers
-from lmc_mergekit.subclone.target import plan_rotary, resolve_target
+from lmc_mergekit.subclone.target import kept_layers, plan_rotary, resolve_target
 
 EXACT = ConversionConfig(compensate=False, rescale="none")
 CPU = torch.device("cpu")
@@ -62,18 +61,7 @@ def recipe_for(*donors, weights=None, **subclone) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        "gpt_neox_partial_rotary_parallel",
-        "gpt_neox_sequential_full_rotary",
-        "llama",
-        "llama_gqa_tied",
-        "mistral_gqa",
-        "qwen2_gqa_bias_tied",
-        "gpt2_tied",
-    ],
-)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_block_runner_reproduces_transformers(model_dirs, variant):
     folder = model_dirs[variant]
     view = open_model(folder)
@@ -180,6 +168,60 @@ EXACT_CASES = {
     "gpt_neox_partial_rotary_parallel": ({"intermediate_size": 48}, {}),
     "gpt_neox_sequential_full_rotary": ({"intermediate_size": 40}, {}),
     "gpt2_tied": ({"intermediate_size": 100}, {}),
+    # QK-norm (the factor on the queries moves into its gain), every other rotary pair kept.
+    "qwen3_qk_norm_gqa": (
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "intermediate_size": 40,
+        },
+        {},
+    ),
+    "gemma": (
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "intermediate_size": 40,
+        },
+        {},
+    ),
+    # A fixed query_pre_attn_scalar, soft-caps, sandwich norms and alternating windows.
+    "gemma2_softcap_windows": (
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "intermediate_size": 40,
+        },
+        {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    ),
+    # Per-layer-type rotary bases: the head size stays.
+    "gemma3_text": (
+        {"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 40},
+        {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    ),
+    "phi3_partial_rotary": (
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 12,
+            "intermediate_size": 40,
+        },
+        {},
+    ),
+    # QK-norm over the whole projection (which then averages over fewer entries: exact up to
+    # its eps, made negligible here), post-norms only.
+    "olmo2": (
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 12,
+            "intermediate_size": 40,
+        },
+        {"rms_norm_eps": 1e-12},
+    ),
 }
 
 

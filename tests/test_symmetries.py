@@ -12,8 +12,15 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from tiny_models import VARIANTS, build_model, logits, probe_ids
 
+from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.symmetry import LayerTransform, Transform, apply_transform, random_transform
+from lmc_mergekit.symmetry.group import symmetry_group
+from lmc_mergekit.symmetry.sampling import random_orthogonal, random_rope_maps
+
+
+def generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
 
 ATOL = 5e-5  # fp32: measured errors are ~5e-6 on logits of magnitude ~4
 
@@ -45,7 +52,15 @@ def transformed_logits(src, out, transform, ids):
 @pytest.mark.parametrize("kind", KINDS)
 def test_symmetry_preserves_logits(model_dirs, tmp_path, variant, kind):
     src = model_dirs[variant]
-    transform = only(kind, random_transform(open_model(src).spec, seed=1))
+    spec = open_model(src).spec
+    if kind == "qk" and not symmetry_group(spec).qk_maps:
+        # QK-norm: no QK maps to apply; one is refused, naming the feature.
+        maps = random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, generator())
+        layers = (LayerTransform(qk=maps),) * spec.num_layers
+        with pytest.raises(LmcError, match="QK-norm"):
+            apply_transform(open_model(src), Transform(spec.num_layers, layers=layers))
+        return
+    transform = only(kind, random_transform(spec, seed=1))
     ids = probe_ids()
     moved, _ = transformed_logits(src, tmp_path / "out", transform, ids)
     torch.testing.assert_close(moved, logits(src, ids), atol=ATOL, rtol=0)
@@ -55,6 +70,33 @@ def test_symmetry_preserves_logits(model_dirs, tmp_path, variant, kind):
         load_file(tmp_path / "out" / "model.safetensors"),
     )
     assert any(k not in after or not torch.equal(v, after[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    ("variant", "residual"),
+    [
+        ("llama", "orthogonal"),
+        ("qwen3_qk_norm_gqa", "orthogonal"),
+        ("gemma", "orthogonal"),
+        ("phi3_partial_rotary", "orthogonal"),
+        ("gpt2_tied", "ones_fixing"),
+        ("gemma2_softcap_windows", "signed_permutation"),
+        ("gemma3_text", "signed_permutation"),
+        ("olmo2", "signed_permutation"),
+    ],
+)
+def test_the_residual_group_follows_the_norms(model_dirs, variant, residual):
+    view = open_model(model_dirs[variant])
+    group = symmetry_group(view.spec)
+    assert group.residual == residual
+    if residual == "orthogonal":
+        return
+    # A residual rotation outside the group is refused with the feature that forbids it.
+    rotation = random_orthogonal(view.spec.hidden_size, generator())
+    reason = "post-norms" if residual == "signed_permutation" else "all-ones"
+    with pytest.raises(LmcError, match=reason):
+        apply_transform(view, Transform(view.spec.num_layers, rotation=rotation))
+    assert ("residual" in group.learnable) == (residual != "signed_permutation")
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa_tied", "qwen2_gqa_bias_tied", "gpt2_tied"])

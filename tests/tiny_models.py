@@ -6,6 +6,12 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
@@ -14,8 +20,14 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 96
@@ -97,6 +109,93 @@ VARIANTS = {
         GPT2LMHeadModel,
         GPT2Config,
         dict(n_embd=48, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0),
+    ),
+    # The modern families: QK-norm with GQA and a head size that is not hidden / heads, ...
+    "qwen3_qk_norm_gqa": (
+        Qwen3ForCausalLM,
+        Qwen3Config,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=80,
+        ),
+    ),
+    # ... offset gains, the sqrt(d) embedding multiplier and tied embeddings, ...
+    "gemma": (
+        GemmaForCausalLM,
+        GemmaConfig,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=80,
+        ),
+    ),
+    # ... sandwich norms, soft-caps that bite and alternating windows shorter than the probe, ...
+    "gemma2_softcap_windows": (
+        Gemma2ForCausalLM,
+        Gemma2Config,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=80,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=3.0,
+            sliding_window=8,
+        ),
+    ),
+    "gemma3_text": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=80,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    # ... fused projections with partial rotary (Phi-4-mini), and post-norms only.
+    "phi3_partial_rotary": (
+        Phi3ForCausalLM,
+        Phi3Config,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            partial_rotary_factor=0.5,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "olmo2": (
+        Olmo2ForCausalLM,
+        Olmo2Config,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
     ),
 }
 

@@ -10,8 +10,10 @@ Coordinate descent over the symmetry group (reference notes §2, §4):
    then each head's QK and OV maps fitted (:mod:`lmc_mergekit.matching.head_maps`);
 3. the rotation refitted on every weight of the model, given those assignments;
 
-repeated until no assignment changes. LayerNorm models keep the rotation in the group fixing
-the all-ones vector. Both models are compared with their norms absorbed.
+repeated until no assignment changes. The residual map stays in the group the model admits
+(:mod:`lmc_mergekit.symmetry.group`): rotations fixing the all-ones vector for LayerNorm models,
+signed permutations (found by linear assignment) for post-norm ones; QK maps are not fitted
+where queries and keys are normalised. Both models are compared with their norms absorbed.
 
 The global residual scale ``g`` is not fitted: it is the one symmetry that changes config.json
 (the norms' eps becomes ``eps·g²``), and a merged checkpoint has a single eps. So ``g`` is pinned
@@ -39,7 +41,7 @@ from lmc_mergekit.matching.assignment import (
     neuron_similarity,
 )
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
-from lmc_mergekit.matching.procrustes import ones_fixing_procrustes, orthogonal_procrustes
+from lmc_mergekit.matching.procrustes import residual_procrustes
 from lmc_mergekit.models.view import (
     Block,
     InMemoryView,
@@ -51,6 +53,7 @@ from lmc_mergekit.models.view import (
 )
 from lmc_mergekit.symmetry import LayerTransform, Transform, apply_transform
 from lmc_mergekit.symmetry.actions import permute_heads
+from lmc_mergekit.symmetry.group import Residual, symmetry_group
 
 # A round that shortens the distance by less than this (relative) ends the descent.
 CONVERGED = 1e-6
@@ -84,9 +87,9 @@ def match_weights(
     absorb = Transform(spec.num_layers, absorb_norms=True)
     a = _float64(apply_transform(reference, absorb))
     b = _float64(apply_transform(other, absorb))
-    fix_ones = spec.norm == "layernorm"
+    group = symmetry_group(spec).residual
     scale = math.sqrt(spec.norm_eps / other.spec.norm_eps)
-    rotation = _fit_rotation(a, b, fix_ones, scale, whole_model=False)
+    rotation = _fit_rotation(a, b, group, scale, whole_model=False)
     distances = [_distance(a, b, Transform(spec.num_layers, absorb_norms=True))]
     previous = None
     best = None
@@ -112,7 +115,7 @@ def match_weights(
             break
         previous = assignment
         permuted = apply_transform(b, Transform(spec.num_layers, True, layers=layers))
-        rotation = _fit_rotation(a, permuted, fix_ones, scale, whole_model=True)
+        rotation = _fit_rotation(a, permuted, group, scale, whole_model=True)
     bar.close()
     return MatchResult(
         transform=best[1],
@@ -129,14 +132,16 @@ def match_layer(a: Block, b: Block, spec: ModelSpec) -> LayerTransform:
     head_perm = match_heads(head_similarity(a.attn, b.attn, spec), spec.num_kv_heads)
     ffn_perm, _ = best_permutation(neuron_similarity(a.mlp, b.mlp))
     attn = permute_heads(b.attn, spec, head_perm)
-    xa, ya = circuit_blocks(a.attn, spec, "qk")
-    xb, yb = circuit_blocks(attn, spec, "qk")
-    qk = fit_rope_maps(xa, ya, xb, yb, spec.rotary_dims)
+    qk = None
+    if symmetry_group(spec).qk_maps:
+        xa, ya = circuit_blocks(a.attn, spec, "qk")
+        xb, yb = circuit_blocks(attn, spec, "qk")
+        qk = fit_rope_maps(xa, ya, xb, yb, spec.rotary_dims).mT
     xa, ya = circuit_blocks(a.attn, spec, "ov")
     xb, yb = circuit_blocks(attn, spec, "ov")
     ov = fit_free_maps(xa, ya, xb, yb)
     # The fitted A act on rows (X ← A·X); the transform stores M with W_q ← Mᵀ·W_q, i.e. Aᵀ.
-    return LayerTransform(head_perm=head_perm, ffn_perm=ffn_perm, qk=qk.mT, ov=ov.mT)
+    return LayerTransform(head_perm=head_perm, ffn_perm=ffn_perm, qk=qk, ov=ov.mT)
 
 
 def _float64(view: ModelView) -> InMemoryView:
@@ -168,7 +173,7 @@ def _residual_rows(view: ModelView, whole_model: bool) -> Iterator[tuple[torch.T
             if reader is not None:
                 yield reader, False
         for norm in (block.attn_norm, block.mlp_norm):
-            if norm.bias is not None:
+            if norm is not None and norm.bias is not None:
                 yield norm.bias[None], False
         yield attn.o.T, True
         yield mlp.down.T, True
@@ -178,7 +183,7 @@ def _residual_rows(view: ModelView, whole_model: bool) -> Iterator[tuple[torch.T
 
 
 def _fit_rotation(
-    a: ModelView, b: ModelView, fix_ones: bool, scale: float, whole_model: bool
+    a: ModelView, b: ModelView, group: Residual, scale: float, whole_model: bool
 ) -> torch.Tensor:
     """Procrustes rotation ``Q`` for ``X_B·Q ≈ X_A`` over all residual rows (writers of B
     scaled by ``scale``)."""
@@ -188,7 +193,7 @@ def _fit_rotation(
         _residual_rows(a, whole_model), _residual_rows(b, whole_model), strict=True
     ):
         cross += (scale if writes else 1.0) * (xb.T @ xa)
-    return ones_fixing_procrustes(cross) if fix_ones else orthogonal_procrustes(cross)
+    return residual_procrustes(cross, group)
 
 
 def _distance(a: ModelView, b: ModelView, transform: Transform) -> float:

@@ -45,9 +45,73 @@ class _Stop(Exception):
     """Raised by the hook after the block: nothing later in the module needs to run."""
 
 
-class BlockRunner(FunctionalModel):
-    """Runs blocks of models of ``spec``'s shape (``folder`` supplies the rest of the config)
-    in a one-layer functional model."""
+class _OneLayer(FunctionalModel):
+    """A one-layer stock module of the architecture, with hooks on the modules the adapter
+    names, run on one block's weights."""
+
+    def __init__(self, folder, adapter, spec, device, trust_remote_code):
+        super().__init__(folder, adapter, spec, device, trust_remote_code)
+        modules = dict(self.module.named_modules())
+        self.seen: dict[str, torch.Tensor] = {}
+        for role in ("attn_out", "mlp_out", "mlp_norm"):
+            modules[adapter.block_modules[role]].register_forward_pre_hook(self._reader(role))
+        modules[adapter.block_modules["block"]].register_forward_hook(self._after_block)
+        # Positions are already in the residual stream that is fed in: learned ones are zeroed.
+        self._positions = None
+        if spec.learned_positions:
+            self._positions = self.adapter.embeddings_tensors(
+                Embeddings(
+                    tokens=self.module.get_input_embeddings().weight,
+                    positions=torch.zeros(spec.learned_positions, spec.hidden_size, device=device),
+                ),
+                self.spec,
+            )
+
+    def _reader(self, role: str):
+        def hook(module, args):
+            self.seen[role] = args[0]
+
+        return hook
+
+    def _after_block(self, module, args, output):
+        self.seen["output"] = output[0] if isinstance(output, tuple) else output
+        raise _Stop
+
+    @torch.no_grad()
+    def each(self, block: Block, residuals: Iterable[torch.Tensor]) -> Iterator[BlockActivations]:
+        tensors = self.adapter.block_tensors(block, self.spec, 0)
+        state = {
+            self.adapter.module_names.get(k, k): t.to(self.device, torch.float32)
+            for k, t in tensors.items()
+        }
+        if self._positions is not None:
+            state.update(self._positions)
+        for residual in residuals:
+            self.seen.clear()
+            try:
+                functional_call(
+                    self.module,
+                    state,
+                    args=(),
+                    kwargs={
+                        "inputs_embeds": residual.to(self.device, torch.float32),
+                        "use_cache": False,
+                    },
+                )
+            except _Stop:
+                pass
+            seen = self.seen
+            yield BlockActivations(
+                output=seen["output"],
+                mlp_reads=seen["mlp_norm"],
+                attn_out_input=seen["attn_out"],
+                mlp_out_input=seen["mlp_out"],
+            )
+
+
+class BlockRunner:
+    """Runs blocks of models of ``spec``'s shape (``folder`` supplies the rest of the config),
+    each in a one-layer functional model of its layer's attention type."""
 
     def __init__(
         self,
@@ -65,91 +129,60 @@ class BlockRunner(FunctionalModel):
         problem = adapter.blockwise_problem(read_config(folder))
         if problem is not None:
             raise LmcError(problem)
-        one_layer = replace(spec, num_layers=1, tied_embeddings=False)
-        super().__init__(folder, adapter, one_layer, device, trust_remote_code)
-        modules = dict(self.module.named_modules())
-        self._seen: dict[str, torch.Tensor] = {}
-        for role in ("attn_out", "mlp_out", "mlp_norm"):
-            modules[adapter.block_modules[role]].register_forward_pre_hook(self._reader(role))
-        modules[adapter.block_modules["block"]].register_forward_hook(self._after_block)
-        # Positions are already in the residual stream that is fed in: learned ones are zeroed.
-        self._positions = None
-        if spec.learned_positions:
-            self._positions = self.adapter.embeddings_tensors(
-                Embeddings(
-                    tokens=self.module.get_input_embeddings().weight,
-                    positions=torch.zeros(spec.learned_positions, spec.hidden_size, device=device),
-                ),
-                self.spec,
+        self.folder, self.adapter, self.spec, self.device = folder, adapter, spec, device
+        self._trust_remote_code = trust_remote_code
+        self._layers: dict[tuple[str, ...], _OneLayer] = {}
+
+    def _layer(self, index: int) -> _OneLayer:
+        kinds = self.spec.layer_types[index : index + 1]
+        if kinds not in self._layers:
+            one = replace(self.spec, num_layers=1, tied_embeddings=False, layer_types=kinds)
+            self._layers[kinds] = _OneLayer(
+                self.folder, self.adapter, one, self.device, self._trust_remote_code
             )
+        return self._layers[kinds]
 
-    def _reader(self, role: str):
-        def hook(module, args):
-            self._seen[role] = args[0]
+    def run(self, block: Block, residual: torch.Tensor, layer: int = 0) -> BlockActivations:
+        """Run ``block`` (layer ``layer`` of the model) on the residual stream ``residual``
+        ``(batch, length, hidden)``."""
+        return next(self.each(block, [residual], layer))
 
-        return hook
-
-    def _after_block(self, module, args, output):
-        self._seen["output"] = output[0] if isinstance(output, tuple) else output
-        raise _Stop
-
-    def run(self, block: Block, residual: torch.Tensor) -> BlockActivations:
-        """Run ``block`` on the residual stream ``residual`` ``(batch, length, hidden)``."""
-        return next(self.each(block, [residual]))
-
-    @torch.no_grad()
-    def each(self, block: Block, residuals: Iterable[torch.Tensor]) -> Iterator[BlockActivations]:
-        """Run ``block`` on each of ``residuals`` in turn (its weights laid out once)."""
-        tensors = self.adapter.block_tensors(block, self.spec, 0)
-        state = {
-            self.adapter.module_names.get(k, k): t.to(self.device, torch.float32)
-            for k, t in tensors.items()
-        }
-        if self._positions is not None:
-            state.update(self._positions)
-        for residual in residuals:
-            self._seen.clear()
-            try:
-                functional_call(
-                    self.module,
-                    state,
-                    args=(),
-                    kwargs={
-                        "inputs_embeds": residual.to(self.device, torch.float32),
-                        "use_cache": False,
-                    },
-                )
-            except _Stop:
-                pass
-            seen = self._seen
-            yield BlockActivations(
-                output=seen["output"],
-                mlp_reads=seen["mlp_norm"],
-                attn_out_input=seen["attn_out"],
-                mlp_out_input=seen["mlp_out"],
-            )
+    def each(
+        self, block: Block, residuals: Iterable[torch.Tensor], layer: int = 0
+    ) -> Iterator[BlockActivations]:
+        """Run ``block`` (layer ``layer``) on each of ``residuals`` in turn (its weights laid
+        out once)."""
+        return self._layer(layer).each(block, residuals)
 
     @torch.no_grad()
     def logits(self, view: ModelView, input_ids: torch.Tensor) -> torch.Tensor:
         """The logits of the model ``view`` (of this runner's shape) on ``input_ids``, computed
         block by block: what a checkpoint written from ``view`` must reproduce."""
-        residual = embed(view.embeddings(), input_ids).to(self.device, torch.float32)
-        for index in range(view.spec.num_layers):
-            residual = self.run(view.block(index), residual).output
+        spec = view.spec
+        residual = embed(view.embeddings(), input_ids, spec).to(self.device, torch.float32)
+        for index in range(spec.num_layers):
+            residual = self.run(view.block(index), residual, index).output
         head = view.head()
-        norm = [t if t is None else t.to(residual) for t in (head.norm.weight, head.norm.bias)]
+        gain, bias = (t if t is None else t.to(residual) for t in (head.norm.gain, head.norm.bias))
         width = (residual.shape[-1],)
-        if view.spec.norm == "layernorm":
-            normed = F.layer_norm(residual, width, norm[0], norm[1], view.spec.norm_eps)
+        if spec.norm == "layernorm":
+            normed = F.layer_norm(residual, width, gain, bias, spec.norm_eps)
         else:
-            normed = F.rms_norm(residual, width, norm[0], view.spec.norm_eps)
+            normed = F.rms_norm(residual, width, gain, spec.norm_eps)
         logits = normed @ head.weight.to(residual).T
-        return logits if head.bias is None else logits + head.bias.to(residual)
+        if head.bias is not None:
+            logits = logits + head.bias.to(residual)
+        if spec.final_softcap:
+            logits = spec.final_softcap * torch.tanh(logits / spec.final_softcap)
+        return logits
 
 
-def embed(embeddings: Embeddings, input_ids: torch.Tensor) -> torch.Tensor:
-    """The residual stream entering the first block: token (and learned position) embeddings."""
+def embed(embeddings: Embeddings, input_ids: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """The residual stream entering the first block: token embeddings (times the family's
+    multiplier) and learned positions."""
     residual = embeddings.tokens[input_ids]
+    if spec.embedding_multiplier != 1.0:
+        residual = residual * spec.embedding_multiplier
     if embeddings.positions is not None:
         residual = residual + embeddings.positions[: input_ids.shape[-1]]
     return residual

@@ -5,8 +5,13 @@ Every linear weight is stored as torch's ``nn.Linear`` does, shape ``(out, in)``
 ``k`` and ``v`` are ``(Hkv·dh, d)``, ``o`` is ``(d, H·dh)``, heads contiguous. Rotary dimensions
 follow transformers' ``rotate_half`` layout: within each head, dimension ``j`` pairs with
 ``j + rotary_dims/2`` for ``j < rotary_dims/2``; dimensions from ``rotary_dims`` on are not rotated.
+A norm keeps its stored parameter and the offset its family adds to it (Gemma's ``1 + w``): the
+effective gain is ``weight + offset``.
 
 Nothing here knows checkpoint key names; the adapters map checkpoints to and from this view.
+The parts are dataclasses with optional fields for what only some families have (QK-norms,
+post-norms); code that rebuilds a part uses :func:`dataclasses.replace`, so that no field it
+does not know is dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from typing import Literal, Protocol
 import torch
 
 NormKind = Literal["layernorm", "rmsnorm"]
+#: Where queries and keys are normalised after their projection: not at all, per head (one gain
+#: of ``head_dim`` shared by every head: Qwen3, Gemma 3) or over the whole projection
+#: (``heads·head_dim`` gains: OLMo 2).
+QKNorm = Literal["none", "head", "projection"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,27 @@ class ModelSpec:
     tied_embeddings: bool
     learned_positions: int = 0
     rope_theta: float = 10000.0
+    #: Added to every stored norm parameter to give its gain (Gemma: 1).
+    norm_offset: float = 0.0
+    #: Whether the attention and the MLP read the stream through a norm (OLMo 2: no).
+    pre_norms: bool = True
+    #: Whether the attention and MLP outputs are normalised before they are added to the stream
+    #: (OLMo 2, and the sandwich norms of Gemma 2 and 3).
+    post_norms: bool = False
+    qk_norm: QKNorm = "none"
+    #: The constant the token embeddings are multiplied by inside the model (Gemma: sqrt(d),
+    #: rounded to the model's dtype).
+    embedding_multiplier: float = 1.0
+    #: ``query_pre_attn_scalar`` (Gemma 2 and 3): attention divides by its square root instead of
+    #: the head size's.
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    #: Per layer, its attention type (``full_attention``, ``sliding_attention``), when the
+    #: family names them.
+    layer_types: tuple[str, ...] = ()
+    #: The rotary scaling type (``default``, ``linear``, ``llama3``, ``yarn``, ...).
+    rope_type: str = "default"
 
     @property
     def group_size(self) -> int:
@@ -69,15 +99,27 @@ class ModelSpec:
 
 @dataclass
 class Norm:
-    """A LayerNorm or RMSNorm's parameters; ``bias`` is None for RMSNorm."""
+    """A LayerNorm or RMSNorm's parameters; ``bias`` is None for RMSNorm. ``weight`` is the
+    stored parameter; the gain is ``weight + offset``."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
+    offset: float = 0.0
+
+    @property
+    def gain(self) -> torch.Tensor:
+        """The effective gain."""
+        return self.weight + self.offset if self.offset else self.weight
+
+    def with_gain(self, gain: torch.Tensor, bias: torch.Tensor | None = None) -> Norm:
+        """This norm with the effective gain ``gain`` (stored as ``gain - offset``)."""
+        return Norm(gain - self.offset if self.offset else gain, bias, self.offset)
 
 
 @dataclass
 class Attention:
-    """Unfused attention projections (see the module docstring for layouts)."""
+    """Unfused attention projections (see the module docstring for layouts), and the norms of
+    queries and keys where the family has them (``ModelSpec.qk_norm``)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -87,6 +129,8 @@ class Attention:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
 
 
 @dataclass
@@ -104,12 +148,17 @@ class MLP:
 @dataclass
 class Block:
     """One transformer block: the attention reads through ``attn_norm``, the MLP through
-    ``mlp_norm`` (both read the residual stream directly when the residual is parallel)."""
+    ``mlp_norm`` (both read the residual stream directly when the residual is parallel; None
+    where the family reads the stream without a norm), and their outputs pass through
+    ``attn_post_norm`` and ``mlp_post_norm`` before they are added to the stream, where the
+    family has those."""
 
-    attn_norm: Norm
+    attn_norm: Norm | None
     attn: Attention
-    mlp_norm: Norm
+    mlp_norm: Norm | None
     mlp: MLP
+    attn_post_norm: Norm | None = None
+    mlp_post_norm: Norm | None = None
 
 
 @dataclass
@@ -135,7 +184,8 @@ def map_tensors(part, fn):
 
 
 def map_named_tensors(part, fn, prefix: str = ""):
-    """A copy of a view part with ``fn(dotted field name, tensor)`` applied to every tensor."""
+    """A copy of a view part with ``fn(dotted field name, tensor)`` applied to every tensor
+    (other fields, such as a norm's offset, are kept)."""
     changes = {}
     for f in fields(part):
         value = getattr(part, f.name)

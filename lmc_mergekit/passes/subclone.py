@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.selfcheck import load_fp32, relative_logits_error, tolerance_for
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE, load_config
+from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
 from lmc_mergekit.passes.device import pass_device
@@ -24,6 +24,7 @@ from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split,
 from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.subclone.convert import (
     ConversionConfig,
+    check_convertible,
     compensation_features,
     convert_model,
 )
@@ -186,16 +187,10 @@ def prepare(ctx: PassContext) -> SubclonePreparation | None:
             )
     sizes = settings.model_dump(include=set(SHAPE_KEYS))
     targets = [
-        resolve_target(view.spec, view.adapter, sizes, settings.target_config, _rope_type(view))
+        resolve_target(view.spec, view.adapter, sizes, settings.target_config, view.folder)
         for view in views
     ]
     _check_same_target(views, [target for target, _ in targets])
-    # Data before any heavy work, so missing or short text fails first.
-    calibration = load_recipe_split(ctx.inputs, settings, "train", settings.calibration_sequences)
-    if settings.compensate:
-        _check_enough_tokens(targets[0][0], calibration.record, settings)
-    ctx.load_test()
-    device = pass_device(ctx.options)
     config = ConversionConfig(
         compensate=settings.compensate,
         rescale=settings.rescale,
@@ -203,6 +198,13 @@ def prepare(ctx: PassContext) -> SubclonePreparation | None:
         seed=settings.seed,
         ridge=settings.ridge,
     )
+    check_convertible(views[0].spec, config)
+    # Data before any heavy work, so missing or short text fails first.
+    calibration = load_recipe_split(ctx.inputs, settings, "train", settings.calibration_sequences)
+    if settings.compensate:
+        _check_enough_tokens(targets[0][0], calibration.record, settings)
+    ctx.load_test()
+    device = pass_device(ctx.options)
     donors = []
     for view, (target, plan), out in zip(views, targets, ctx.outputs, strict=True):
         started = time.perf_counter()
@@ -262,11 +264,6 @@ def measure(ctx: MeasureContext) -> SubcloneReport:
         tokens=ctx.test.record.tokens,
     )
     return report
-
-
-def _rope_type(view) -> str | None:
-    params = getattr(load_config(view.folder), "rope_parameters", None) or {}
-    return params.get("rope_type")
 
 
 def _check_same_target(views, targets) -> None:

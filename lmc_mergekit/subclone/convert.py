@@ -27,18 +27,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner, embed
 from lmc_mergekit.models.view import Block, Embeddings, Head, InMemoryView, ModelSpec
 from lmc_mergekit.subclone.compensation import RidgeFit, RidgeSolution
 from lmc_mergekit.subclone.selection import (
     Ranker,
-    kept_layers,
     select_block,
     select_norm,
     subclone_block,
 )
-from lmc_mergekit.subclone.target import RotaryPlan
+from lmc_mergekit.subclone.target import RotaryPlan, kept_layers
 
 # Residual-channel variance is estimated on at most this many calibration sequences.
 VARIANCE_SEQUENCES = 64
@@ -65,6 +65,16 @@ class Conversion:
     record: dict
 
 
+def check_convertible(donor: ModelSpec, config: ConversionConfig) -> None:
+    """A one-line error for a conversion that ``donor``'s family cannot take."""
+    if config.compensate and donor.post_norms:
+        raise LmcError(
+            "compensation refits the projections that write to the residual stream by linear "
+            f"least squares, but in {donor.architecture} they write through a norm "
+            "(post-norms); set compensate: false"
+        )
+
+
 def compensation_features(target: ModelSpec) -> int:
     """The most features one compensation fit solves for (bias column included)."""
     attention = target.num_heads * target.head_dim
@@ -86,6 +96,7 @@ def convert_model(
     """Convert ``donor_view`` to the shape ``target`` on calibration ``sequences``."""
     started = time.perf_counter()
     donor, adapter = donor_view.spec, donor_view.adapter
+    check_convertible(donor, config)
     folder: Path = donor_view.folder
     donor_runner = BlockRunner(folder, adapter, donor, device, trust_remote_code)
     student_runner = BlockRunner(folder, adapter, target, device, trust_remote_code)
@@ -101,7 +112,7 @@ def convert_model(
         channels = torch.tensor(ranker.top(scores, target.hidden_size))
 
     layers = kept_layers(donor.num_layers, target.num_layers)
-    donor_states = [embed(emb, ids) for ids in batches]
+    donor_states = [embed(emb, ids, donor) for ids in batches]
     student_states = [state[..., channels] for state in donor_states]
     blocks, records = [], []
     bar = tqdm(
@@ -119,9 +130,18 @@ def convert_model(
         fits = {}
         if config.compensate:
             small, fits = _compensate(
-                small, student_runner, student_states, after_attention, targets, config, device
+                small,
+                student_runner,
+                position,
+                student_states,
+                after_attention,
+                targets,
+                config,
+                device,
             )
-        student_states = [seen.output.cpu() for seen in student_runner.each(small, student_states)]
+        student_states = [
+            seen.output.cpu() for seen in student_runner.each(small, student_states, position)
+        ]
         blocks.append(small)
         records.append(
             {
@@ -136,16 +156,14 @@ def convert_model(
     final_error = _relative_error(student_states, targets)
 
     head = donor_view.head()
-    small_head = Head(
-        norm=select_norm(head.norm, channels), weight=head.weight[:, channels], bias=head.bias
-    )
+    tokens, small_head = _embeddings_and_head(emb, head, channels, donor, target)
     blocks, small_head = _rescale(blocks, small_head, donor, target, config.rescale)
     positions = None
     if emb.positions is not None:
         positions = emb.positions[: target.learned_positions][:, channels]
     view = InMemoryView(
         spec=target,
-        embeddings_=Embeddings(tokens=emb.tokens[:, channels], positions=positions),
+        embeddings_=Embeddings(tokens=tokens, positions=positions),
         blocks=blocks,
         head_=small_head,
     )
@@ -162,6 +180,22 @@ def convert_model(
     return Conversion(view=view, record=record)
 
 
+def _embeddings_and_head(emb, head, channels, donor: ModelSpec, target: ModelSpec):
+    """The kept channels of the token embeddings and the head. Where the family multiplies its
+    embeddings by a constant of the width (Gemma: sqrt(d)), the stored ones are rescaled so that
+    the stream is what it was: ``E·m/m'``; a tied head then reads through a final norm whose
+    gain is divided by the same factor, so the logits stay what they were too."""
+    ratio = donor.embedding_multiplier / target.embedding_multiplier
+    tokens = emb.tokens[:, channels]
+    norm = select_norm(head.norm, channels)
+    weight = head.weight[:, channels]
+    if ratio != 1.0:
+        tokens = tokens * ratio
+        if donor.tied_embeddings:
+            weight, norm = tokens, norm.with_gain(norm.gain / ratio, norm.bias)
+    return tokens, replace(head, norm=norm, weight=weight)
+
+
 @torch.no_grad()
 def _residual_variance(view, runner, emb, batches, progress) -> torch.Tensor:
     """Per-channel variance of the residual stream at every layer boundary, each boundary
@@ -170,13 +204,13 @@ def _residual_variance(view, runner, emb, batches, progress) -> torch.Tensor:
     for ids in batches:
         if total >= VARIANCE_SEQUENCES:
             break
-        states.append(embed(emb, ids[: VARIANCE_SEQUENCES - total]))
+        states.append(embed(emb, ids[: VARIANCE_SEQUENCES - total], view.spec))
         total += len(states[-1])
     score = _variance(states)
     layers = range(view.spec.num_layers)
     for index in tqdm(layers, desc="ranking residual channels", disable=not progress):
         block = view.block(index)
-        states = [seen.output.cpu() for seen in runner.each(block, states)]
+        states = [seen.output.cpu() for seen in runner.each(block, states, index)]
         score += _variance(states)
     return score
 
@@ -195,7 +229,7 @@ def _run_donor(view, runner, first_block, layers, states, channels, bar):
     for index in layers:
         block = first_block if index == layers[0] else view.block(index)
         new_states = []
-        for seen in runner.each(block, states):
+        for seen in runner.each(block, states, index):
             new_states.append(seen.output.cpu())
             if index == layers[0] and not view.spec.parallel_residual:
                 after_attention.append(
@@ -210,6 +244,7 @@ def _run_donor(view, runner, first_block, layers, states, channels, bar):
 def _compensate(
     block: Block,
     runner: BlockRunner,
+    layer: int,
     states: list[torch.Tensor],
     after_attention: list[torch.Tensor],
     targets: list[torch.Tensor],
@@ -225,6 +260,7 @@ def _compensate(
         solution, record = _refit(
             runner,
             block,
+            layer,
             states,
             targets,
             lambda seen, x: torch.cat([seen.attn_out_input, seen.mlp_out_input], -1),
@@ -244,6 +280,7 @@ def _compensate(
     solution, attn_record = _refit(
         runner,
         block,
+        layer,
         states,
         after_attention,
         lambda seen, x: seen.attn_out_input,
@@ -258,6 +295,7 @@ def _compensate(
     solution, down_record = _refit(
         runner,
         block,
+        layer,
         states,
         targets,
         lambda seen, x: seen.mlp_out_input,
@@ -275,6 +313,7 @@ def _compensate(
 def _refit(
     runner: BlockRunner,
     block: Block,
+    layer: int,
     states: list[torch.Tensor],
     targets: list[torch.Tensor],
     features: Callable,
@@ -289,7 +328,8 @@ def _refit(
     # float64 Gram matrices: on a CUDA device, else on the CPU (MPS has no float64).
     gram_device = device if device.type == "cuda" else torch.device("cpu")
     fit = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, gram_device)
-    for state, target, seen in zip(states, targets, runner.each(block, states), strict=True):
+    seen_all = runner.each(block, states, layer)
+    for state, target, seen in zip(states, targets, seen_all, strict=True):
         x = state.to(device, torch.float32)
         fit.add(features(seen, x), target.to(device, torch.float32) - baseline(seen, x))
     solution = fit.solve(config.ridge, weight.double(), None if bias is None else bias.double())
@@ -347,8 +387,6 @@ def _rescale(blocks: list[Block], head: Head, donor: ModelSpec, target: ModelSpe
         )
     if donor.tied_embeddings:
         # Scaling the final norm instead of the head gives the same logits and keeps the tie.
-        norm = replace(
-            head.norm, weight=head.norm.weight * width, bias=scaled(head.norm.bias, width)
-        )
+        norm = head.norm.with_gain(head.norm.gain * width, scaled(head.norm.bias, width))
         return out, replace(head, norm=norm)
     return out, replace(head, weight=head.weight * width)

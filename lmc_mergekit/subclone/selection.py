@@ -12,11 +12,12 @@ the caller (by activation variance).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from lmc_mergekit.models.view import MLP, Attention, Block, ModelSpec, Norm
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.view import Attention, Block, ModelSpec, Norm
 from lmc_mergekit.subclone.target import RotaryPlan
 
 
@@ -56,13 +57,6 @@ class BlockSelection:
         }
 
 
-def kept_layers(layers: int, target: int) -> list[int]:
-    """Donor layers a ``target``-layer model keeps: evenly spaced, first and last included."""
-    if target == 1:
-        return [0]
-    return [round(i * (layers - 1) / (target - 1)) for i in range(target)]
-
-
 def select_block(
     block: Block,
     donor: ModelSpec,
@@ -76,7 +70,7 @@ def select_block(
     attn, mlp = block.attn, block.mlp
     heads, kv, dh = donor.num_heads, donor.num_kv_heads, donor.head_dim
     group = donor.group_size
-    gain = block.attn_norm.weight[channels].double()
+    gain = _gain(block.attn_norm, channels)
     q = (attn.q[:, channels].double() * gain).reshape(heads, dh, -1)
     k = (attn.k[:, channels].double() * gain).reshape(kv, dh, -1)
     v = (attn.v[:, channels].double() * gain).reshape(kv, dh, -1)
@@ -99,7 +93,7 @@ def select_block(
         vo_score = v[g].norm(dim=1) * o[:, chosen].norm(dim=(0, 1))
         vo_dims.append(tuple(ranker.top(vo_score, target.head_dim)))
 
-    mlp_gain = block.mlp_norm.weight[channels].double()
+    mlp_gain = _gain(block.mlp_norm, channels)
     unit_score = (mlp.up[:, channels].double() * mlp_gain).norm(dim=1)
     unit_score = unit_score * mlp.down[channels].double().norm(dim=0)
     if mlp.gate is not None:
@@ -108,6 +102,11 @@ def select_block(
     return BlockSelection(
         tuple(kv_kept), tuple(kept_heads), tuple(qk_dims), tuple(vo_dims), tuple(units)
     )
+
+
+def _gain(norm: Norm | None, channels: torch.Tensor) -> torch.Tensor | float:
+    """The gain a reader of the stream sees on ``channels`` (1 without a norm)."""
+    return 1.0 if norm is None else norm.gain[channels].double()
 
 
 def subclone_block(
@@ -119,8 +118,11 @@ def subclone_block(
 ) -> Block:
     """The smaller block made of what ``selection`` and ``channels`` keep.
 
-    Queries are multiplied by ``sqrt(dh'/dh)``: the attention divides by ``sqrt(head size)``,
-    so this keeps every kept dim's share of the attention logits what it was in the donor.
+    Queries are scaled so that every kept dim's share of the attention logits is what it was
+    in the donor: by ``sqrt(dh'/dh)`` where the attention divides by ``sqrt(head size)`` (not at
+    all where it divides by a fixed ``query_pre_attn_scalar``), and under a QK-norm, which
+    normalises over fewer dims, by that over the norms' gain in the kept dims (the factor goes
+    into the query norm's gain, which would undo it on the projection).
     """
     dh, per_group = donor.head_dim, target.group_size
     q_rows, k_rows, v_rows, o_cols = [], [], [], []
@@ -132,8 +134,11 @@ def subclone_block(
         for h in members:
             q_rows += [h * dh + t for t in qk]
             o_cols += [h * dh + t for t in vo]
-    q_scale = math.sqrt(target.head_dim / dh)
+    q_scale = _query_scale(donor, target)
     units, attn, mlp = list(selection.units), block.attn, block.mlp
+    q_norm, k_norm = _qk_norms(attn, donor, selection, q_rows, k_rows)
+    if q_norm is not None:  # the norm would undo a scaled projection: scale its gain
+        q_norm, q_scale = q_norm.with_gain(q_norm.gain * q_scale), 1.0
 
     def pick(tensor: torch.Tensor | None, rows=None, cols=None) -> torch.Tensor | None:
         if tensor is None:
@@ -142,9 +147,11 @@ def subclone_block(
             tensor = tensor[rows]
         return tensor if cols is None else tensor[:, cols]
 
-    return Block(
+    return replace(
+        block,
         attn_norm=select_norm(block.attn_norm, channels),
-        attn=Attention(
+        attn=replace(
+            attn,
             q=pick(attn.q, q_rows, channels) * q_scale,
             k=pick(attn.k, k_rows, channels),
             v=pick(attn.v, v_rows, channels),
@@ -153,9 +160,12 @@ def subclone_block(
             k_bias=pick(attn.k_bias, k_rows),
             v_bias=pick(attn.v_bias, v_rows),
             o_bias=pick(attn.o_bias, channels),
+            q_norm=q_norm,
+            k_norm=k_norm,
         ),
         mlp_norm=select_norm(block.mlp_norm, channels),
-        mlp=MLP(
+        mlp=replace(
+            mlp,
             up=pick(mlp.up, units, channels),
             down=pick(mlp.down, channels, units),
             gate=pick(mlp.gate, units, channels),
@@ -163,9 +173,48 @@ def subclone_block(
             gate_bias=pick(mlp.gate_bias, units),
             down_bias=pick(mlp.down_bias, channels),
         ),
+        attn_post_norm=select_norm(block.attn_post_norm, channels),
+        mlp_post_norm=select_norm(block.mlp_post_norm, channels),
     )
 
 
-def select_norm(norm: Norm, channels: torch.Tensor) -> Norm:
+def _query_scale(donor: ModelSpec, target: ModelSpec) -> float:
+    """The factor on the queries that keeps each kept dim's share of the attention logits."""
+    scale = 1.0 if target.query_pre_attn_scalar else math.sqrt(target.head_dim / donor.head_dim)
+    if donor.qk_norm == "head":  # q and k each normalised over dh' dims instead of dh
+        scale /= target.head_dim / donor.head_dim
+    elif donor.qk_norm == "projection":  # over the kept part of each projection
+        q_kept = target.num_heads * target.head_dim / (donor.num_heads * donor.head_dim)
+        k_kept = target.num_kv_heads * target.head_dim / (donor.num_kv_heads * donor.head_dim)
+        scale /= math.sqrt(q_kept * k_kept)
+    return scale
+
+
+def _qk_norms(attn: Attention, donor: ModelSpec, selection: BlockSelection, q_rows, k_rows):
+    """The query and key norms over what ``selection`` keeps: the kept dims of the one shared
+    gain (per-head QK-norm, where every kept group keeps the same dims), or the kept rows of the
+    projection's gains."""
+    if donor.qk_norm == "none":
+        return None, None
+    if donor.qk_norm == "projection":
+        return (
+            replace(n, weight=n.weight[rows])
+            for n, rows in ((attn.q_norm, q_rows), (attn.k_norm, k_rows))
+        )
+    dims = set(selection.qk_dims)
+    if len(dims) > 1:
+        raise LmcError(
+            "the query/key norm is shared by every head, but the kept groups keep different "
+            "non-rotary dims; keep every non-rotary dim (head_dim) or all rotary dims"
+        )
+    kept = list(next(iter(dims)))
+    return (replace(n, weight=n.weight[kept]) for n in (attn.q_norm, attn.k_norm))
+
+
+def select_norm(norm: Norm | None, channels: torch.Tensor) -> Norm | None:
     """The norm over ``channels`` only: its gains and biases selected with them."""
-    return Norm(norm.weight[channels], None if norm.bias is None else norm.bias[channels])
+    if norm is None:
+        return None
+    return replace(
+        norm, weight=norm.weight[channels], bias=None if norm.bias is None else norm.bias[channels]
+    )

@@ -14,14 +14,33 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.models.adapters.base import Adapter
+from lmc_mergekit.models.adapters.base import Adapter, load_config
+from lmc_mergekit.models.functional import module_config
 from lmc_mergekit.models.view import ModelSpec
 
 # What a target config must share with its donor (converting changes sizes, nothing else).
-SAME_KIND = ("norm", "parallel_residual", "gated_mlp", "activation", "vocab_size")
+SAME_KIND = (
+    "norm",
+    "parallel_residual",
+    "gated_mlp",
+    "activation",
+    "vocab_size",
+    "norm_offset",
+    "pre_norms",
+    "post_norms",
+    "qk_norm",
+)
+# Scaled rotary types act on each frequency alone, so the kept pairs can keep their scaled
+# frequencies; these cannot (per-dimension factors, or one set of parameters per layer type).
+UNSCALABLE_ROPE = {
+    "longrope": "scales every rotary dimension by a factor of its own",
+    "per-layer-type": "gives each attention type rotary parameters of its own",
+}
 SIZES = (
     ("hidden_size", "hidden_size"),
     ("num_layers", "num_hidden_layers"),
@@ -31,6 +50,13 @@ SIZES = (
     ("intermediate_size", "intermediate_size"),
     ("rotary_dims", "rotary dims per head"),
 )
+
+
+def kept_layers(layers: int, target: int) -> list[int]:
+    """Donor layers a ``target``-layer model keeps: evenly spaced, first and last included."""
+    if target == 1:
+        return [0]
+    return [round(i * (layers - 1) / (target - 1)) for i in range(target)]
 
 
 @dataclass(frozen=True)
@@ -50,12 +76,14 @@ def resolve_target(
     adapter: Adapter,
     sizes: dict[str, int | None],
     target_config: str | Path | None = None,
-    rope_type: str | None = None,
+    folder: Path | None = None,
 ) -> tuple[ModelSpec, RotaryPlan]:
     """The target spec of ``donor`` and the rotary pairs it keeps, or a one-line error saying
     which size cannot be met. The target is the config.json ``target_config``, or ``sizes``
     (config.json names: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
-    ``num_key_value_heads``, ``head_dim``, ``intermediate_size``; None keeps the donor's)."""
+    ``num_key_value_heads``, ``head_dim``, ``intermediate_size``; None keeps the donor's). A
+    donor with scaled rotary embeddings changes head size only when the target's scaled
+    frequencies are the kept pairs' (checked on the donor checkpoint in ``folder``)."""
     if target_config is not None:
         given = _target_from_config(Path(target_config), adapter, donor)
         target, theta = given, given.rope_theta
@@ -63,12 +91,41 @@ def resolve_target(
         target, theta = _target_from_sizes(donor, adapter, sizes), None
     _check_shrinks(donor, target)
     plan = plan_rotary(donor, target.rotary_dims, theta)
-    if plan.pairs != tuple(range(donor.rotary_dims // 2)) and rope_type not in (None, "default"):
+    target = replace(
+        target,
+        rope_theta=plan.theta,
+        embedding_multiplier=adapter.embedding_multiplier(target.hidden_size),
+    )
+    if donor.layer_types and target_config is None:  # the kept layers keep their types
+        kept = kept_layers(donor.num_layers, target.num_layers)
+        target = replace(target, layer_types=tuple(donor.layer_types[i] for i in kept))
+    if plan.pairs != tuple(range(donor.rotary_dims // 2)) and donor.rope_type != "default":
+        _check_scaled_rotary(donor, target, plan, adapter, folder)
+    return target, plan
+
+
+def _check_scaled_rotary(
+    donor: ModelSpec, target: ModelSpec, plan: RotaryPlan, adapter: Adapter, folder: Path | None
+) -> None:
+    """A one-line error unless the target's scaled rotary frequencies are the kept pairs'."""
+    kind = donor.rope_type
+    reason = UNSCALABLE_ROPE.get(kind)
+    if reason is None and (kind not in ROPE_INIT_FUNCTIONS or folder is None):
+        reason = "is not one the tool can check per frequency"
+    if reason is not None:
         raise LmcError(
-            f"the donor's rotary embedding is of type {rope_type!r}, whose frequencies are not "
-            "θ^(-2j/R); only the default type can change head size"
+            f"the donor's rotary embedding (type {kind!r}) {reason}; its head size cannot "
+            "change: keep head_dim (and the rotary dims) of the donor"
         )
-    return replace(target, rope_theta=plan.theta), plan
+    init = ROPE_INIT_FUNCTIONS[kind]
+    kept = init(load_config(folder), torch.device("cpu"))[0][list(plan.pairs)]
+    made = init(module_config(folder, adapter, target), torch.device("cpu"))[0]
+    gap = float(((made - kept).abs() / kept.abs()).max())
+    if gap > 1e-5:
+        raise LmcError(
+            f"the target's {kind} rotary frequencies are not the kept pairs' (relative gap "
+            f"{gap:.1e}); choose a head size that keeps every s-th pair at the donor's base"
+        )
 
 
 def _target_from_sizes(donor: ModelSpec, adapter: Adapter, sizes: dict) -> ModelSpec:

@@ -74,7 +74,8 @@ def _in_float64(part, fn):
 
 def transform_embeddings(emb: Embeddings, t: Transform) -> Embeddings:
     """Embeddings write the residual stream: ``E ← g·E·Q``."""
-    return Embeddings(
+    return replace(
+        emb,
         tokens=_write(emb.tokens, t),
         positions=None if emb.positions is None else _write(emb.positions, t),
     )
@@ -82,36 +83,49 @@ def transform_embeddings(emb: Embeddings, t: Transform) -> Embeddings:
 
 def transform_head(head: Head, t: Transform) -> Head:
     """The LM head reads through the final norm."""
-    norm, (weight, bias) = head.norm, (head.weight, head.bias)
-    if t.absorb_norms:
-        norm, [(weight, bias)] = absorb_norm(norm, [(weight, bias)])
-    norm, [(weight, bias)] = _rotate_readers(norm, [(weight, bias)], t.rotation)
-    return Head(norm=norm, weight=weight, bias=bias)
+    norm, [(weight, bias)] = _read_stream(head.norm, [(head.weight, head.bias)], t)
+    return replace(head, norm=norm, weight=weight, bias=bias)
 
 
 def transform_block(block: Block, spec: ModelSpec, t: Transform, index: int) -> Block:
-    """Move one block by the residual part of ``t`` and by its layer part ``t.layers[index]``."""
+    """Move one block by the residual part of ``t`` and by its layer part ``t.layers[index]``.
+
+    With a global scale ``g`` every norm's eps becomes ``eps·g²``, so every norm must see its
+    input scaled by ``g``: the stream is, the input of a post-norm (the attention or MLP
+    output) is made so by its writer, and the input of a QK-norm by scaling the query and key
+    projections; a reader of the stream without a norm in front is divided by ``g``.
+    """
     a, m = block.attn, block.mlp
-    attn_norm, mlp_norm = block.attn_norm, block.mlp_norm
-    attn_readers = [(a.q, a.q_bias), (a.k, a.k_bias), (a.v, a.v_bias)]
+    attn_norm, attn_readers = _read_stream(
+        block.attn_norm, [(a.q, a.q_bias), (a.k, a.k_bias), (a.v, a.v_bias)], t
+    )
     mlp_readers = [(m.up, m.up_bias)] + ([(m.gate, m.gate_bias)] if m.gate is not None else [])
-    if t.absorb_norms:
-        attn_norm, attn_readers = absorb_norm(attn_norm, attn_readers)
-        mlp_norm, mlp_readers = absorb_norm(mlp_norm, mlp_readers)
-    attn_norm, attn_readers = _rotate_readers(attn_norm, attn_readers, t.rotation)
-    mlp_norm, mlp_readers = _rotate_readers(mlp_norm, mlp_readers, t.rotation)
+    mlp_norm, mlp_readers = _read_stream(block.mlp_norm, mlp_readers, t)
     (q, q_bias), (k, k_bias), (v, v_bias) = attn_readers
+    if spec.qk_norm != "none":
+        q, q_bias, k, k_bias = (_scaled(x, t, 1) for x in (q, q_bias, k, k_bias))
     (up, up_bias), *gated = mlp_readers
     gate, gate_bias = gated[0] if gated else (None, None)
     o, o_bias = _write_linear(a.o, a.o_bias, t)
     down, down_bias = _write_linear(m.down, m.down_bias, t)
-    block = Block(
+    block = replace(
+        block,
         attn_norm=attn_norm,
-        attn=Attention(q, k, v, o, q_bias, k_bias, v_bias, o_bias),
-        mlp_norm=mlp_norm,
-        mlp=MLP(
-            up=up, down=down, gate=gate, up_bias=up_bias, gate_bias=gate_bias, down_bias=down_bias
+        attn=replace(
+            a, q=q, k=k, v=v, o=o, q_bias=q_bias, k_bias=k_bias, v_bias=v_bias, o_bias=o_bias
         ),
+        mlp_norm=mlp_norm,
+        mlp=replace(
+            m,
+            up=up,
+            down=down,
+            gate=gate,
+            up_bias=up_bias,
+            gate_bias=gate_bias,
+            down_bias=down_bias,
+        ),
+        attn_post_norm=_post_norm(block.attn_post_norm, t),
+        mlp_post_norm=_post_norm(block.mlp_post_norm, t),
     )
     return apply_layer_transform(block, spec, t.layers[index])
 
@@ -138,10 +152,11 @@ Reader = tuple[torch.Tensor, torch.Tensor | None]
 def absorb_norm(norm: Norm, readers: list[Reader]) -> tuple[Norm, list[Reader]]:
     """Fold the norm's gain (and, where every reader has a bias, its bias) into its readers.
 
-    ``W ← W·diag(γ)``, ``b ← b + W·β``, then ``γ ← 1, β ← 0``. A LayerNorm bias that cannot be
-    folded (a reader without bias, e.g. the LM head) stays in the norm as ``β/γ``.
+    ``W ← W·diag(γ)``, ``b ← b + W·β``, then ``γ ← 1, β ← 0`` (stored as ``1 - offset``). A
+    LayerNorm bias that cannot be folded (a reader without bias, e.g. the LM head) stays in the
+    norm as ``β/γ``.
     """
-    gain, bias = norm.weight, norm.bias
+    gain, bias = norm.gain, norm.bias
     fold_bias = bias is not None and all(b is not None for _, b in readers)
     new_readers = []
     for weight, reader_bias in readers:
@@ -161,25 +176,45 @@ def absorb_norm(norm: Norm, readers: list[Reader]) -> tuple[Norm, list[Reader]]:
                     "this norm (its bias would have to be divided by the gain)"
                 )
             new_bias = torch.where(gain.abs() < MIN_GAIN, torch.zeros_like(bias), bias / gain)
-    return Norm(weight=torch.ones_like(gain), bias=new_bias), new_readers
+    return norm.with_gain(torch.ones_like(gain), new_bias), new_readers
 
 
-def _rotate_readers(
-    norm: Norm, readers: list[Reader], rotation: torch.Tensor | None
-) -> tuple[Norm, list[Reader]]:
-    """Readers of ``x·Q``: ``W ← W·Q``; a bias kept in the (absorbed) norm turns with the stream."""
-    if rotation is None:
+def _read_stream(
+    norm: Norm | None, readers: list[Reader], t: Transform
+) -> tuple[Norm | None, list[Reader]]:
+    """Readers of the stream ``g·x·Q``: through a norm (absorbed when ``t`` absorbs norms),
+    ``W ← W·Q``, a bias kept in the norm turning with the stream; without one, ``W ← W·Q/g``."""
+    if norm is None:
+        rotated = readers if t.rotation is None else [(w @ t.rotation, b) for w, b in readers]
+        return None, [(_scaled(w, t, -1), b) for w, b in rotated]
+    if t.absorb_norms:
+        norm, readers = absorb_norm(norm, readers)
+    if t.rotation is None:
         return norm, readers
-    bias = None if norm.bias is None else norm.bias @ rotation
-    return Norm(norm.weight, bias), [(w @ rotation, b) for w, b in readers]
+    bias = None if norm.bias is None else norm.bias @ t.rotation
+    return replace(norm, bias=bias), [(w @ t.rotation, b) for w, b in readers]
+
+
+def _post_norm(norm: Norm | None, t: Transform) -> Norm | None:
+    """A norm between a block's output and the stream: its writer already sends ``g·y·P``, so
+    its gain moves with the signed permutation ``P`` (``γ ← g·γ·|P|``), never mixing channels."""
+    if norm is None:
+        return None
+    gain = norm.gain if t.rotation is None else norm.gain @ t.rotation.abs()
+    return norm.with_gain(_scaled(gain, t, 1), norm.bias)
+
+
+def _scaled(x: torch.Tensor | None, t: Transform, power: int) -> torch.Tensor | None:
+    """``x·g^power`` (a learned scale is a tensor and always multiplies: it carries a gradient
+    even at 1)."""
+    if x is None or (not isinstance(t.scale, torch.Tensor) and t.scale == 1.0):
+        return x
+    return x * t.scale if power == 1 else x / t.scale
 
 
 def _write(x: torch.Tensor, t: Transform) -> torch.Tensor:
     """Rows written into the residual stream: ``x ← g·x·Q``."""
-    if t.rotation is not None:
-        x = x @ t.rotation
-    # A learned scale is a tensor and always multiplies (it carries a gradient even at 1).
-    return x * t.scale if isinstance(t.scale, torch.Tensor) or t.scale != 1.0 else x
+    return _scaled(x if t.rotation is None else x @ t.rotation, t, 1)
 
 
 def _write_linear(
@@ -199,12 +234,18 @@ def _by_head(weight: torch.Tensor | None, heads: int, perm: torch.Tensor) -> tor
 
 
 def permute_heads(attn: Attention, spec: ModelSpec, head_perm: torch.Tensor) -> Attention:
-    """Reorder query heads by ``head_perm`` and key/value heads by the implied group order."""
+    """Reorder query heads by ``head_perm`` and key/value heads by the implied group order (a
+    QK-norm over the whole projection has a gain per head and moves with them)."""
     kv = kv_permutation(head_perm, spec.num_kv_heads)
     h, hkv = spec.num_heads, spec.num_kv_heads
     d = attn.o.shape[0]
     o = attn.o.reshape(d, h, -1)[:, head_perm].reshape(d, -1)
-    return Attention(
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    if spec.qk_norm == "projection":
+        q_norm = replace(q_norm, weight=_by_head(q_norm.weight, h, head_perm))
+        k_norm = replace(k_norm, weight=_by_head(k_norm.weight, hkv, kv))
+    return replace(
+        attn,
         q=_by_head(attn.q, h, head_perm),
         k=_by_head(attn.k, hkv, kv),
         v=_by_head(attn.v, hkv, kv),
@@ -212,7 +253,8 @@ def permute_heads(attn: Attention, spec: ModelSpec, head_perm: torch.Tensor) -> 
         q_bias=_by_head(attn.q_bias, h, head_perm),
         k_bias=_by_head(attn.k_bias, hkv, kv),
         v_bias=_by_head(attn.v_bias, hkv, kv),
-        o_bias=attn.o_bias,
+        q_norm=q_norm,
+        k_norm=k_norm,
     )
 
 
@@ -222,13 +264,13 @@ def permute_ffn(mlp: MLP, perm: torch.Tensor) -> MLP:
     def rows(x):
         return None if x is None else x[perm]
 
-    return MLP(
+    return replace(
+        mlp,
         up=rows(mlp.up),
         down=mlp.down[:, perm],
         gate=rows(mlp.gate),
         up_bias=rows(mlp.up_bias),
         gate_bias=rows(mlp.gate_bias),
-        down_bias=mlp.down_bias,
     )
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lmc_mergekit.models.view import ModelSpec
+from lmc_mergekit.symmetry.group import FAMILIES, symmetry_group
 from lmc_mergekit.symmetry.rope import rope_map_from_pairs
 from lmc_mergekit.symmetry.sampling import ones_complement_basis
 from lmc_mergekit.symmetry.transform import LayerTransform, Transform
@@ -41,7 +42,6 @@ from lmc_mergekit.symmetry.transform import LayerTransform, Transform
 Parametrization = Literal["polar", "cayley", "matrix_exp", "unconstrained"]
 Family = Literal["residual", "scale", "qk", "ov"]
 PARAMETRIZATIONS: tuple[str, ...] = ("polar", "cayley", "matrix_exp", "unconstrained")
-FAMILIES: tuple[str, ...] = ("residual", "scale", "qk", "ov")
 
 
 def skew(a: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,10 @@ class LearnedSymmetry(nn.Module):
         super().__init__()
         self.spec = spec
         self.kind = parametrization
-        self.families = tuple(f for f in FAMILIES if f in families)
+        # Only continuous symmetries the model admits: no residual rotation for post-norm
+        # models (signed permutations are discrete), no QK maps under QK-norm.
+        admitted = symmetry_group(spec).learnable
+        self.families = tuple(f for f in admitted if f in families)
         d, layers, kv, dh = spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.head_dim
         half, free = spec.rotary_dims // 2, spec.head_dim - spec.rotary_dims
         fix_ones = spec.norm == "layernorm"

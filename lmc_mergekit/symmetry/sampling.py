@@ -9,6 +9,7 @@ from scipy.linalg import null_space
 from scipy.stats import ortho_group
 
 from lmc_mergekit.models.view import ModelSpec
+from lmc_mergekit.symmetry.group import symmetry_group
 from lmc_mergekit.symmetry.rope import rope_map_from_pairs
 from lmc_mergekit.symmetry.transform import LayerTransform, Transform
 
@@ -72,27 +73,44 @@ def random_head_perm(spec: ModelSpec, generator: torch.Generator) -> torch.Tenso
     return (groups[:, None] * g + within).reshape(-1)
 
 
+def random_signed_permutation(d: int, generator: torch.Generator) -> torch.Tensor:
+    """A random d×d signed permutation matrix."""
+    signs = torch.randint(0, 2, (d,), generator=generator).double() * 2 - 1
+    return torch.eye(d, dtype=torch.float64)[torch.randperm(d, generator=generator)] * signs
+
+
+def random_residual_map(spec: ModelSpec, generator: torch.Generator) -> torch.Tensor:
+    """A random element of the residual group ``spec`` admits (see :mod:`.group`)."""
+    residual = symmetry_group(spec).residual
+    if residual == "signed_permutation":
+        return random_signed_permutation(spec.hidden_size, generator)
+    return random_orthogonal(spec.hidden_size, generator, fix_ones=residual == "ones_fixing")
+
+
 def random_transform(
     spec: ModelSpec, seed: int = 0, scale_range: tuple[float, float] = (0.5, 2.0)
 ) -> Transform:
-    """A random element of every symmetry ``spec`` admits: rotation, scale, permutations, maps."""
+    """A random element of exactly the group ``spec`` admits (:func:`.group.symmetry_group`):
+    residual map, scale, permutations and maps."""
+    group = symmetry_group(spec)
     gen = torch.Generator().manual_seed(seed)
     low, high = (math.log(x) for x in scale_range)
     scale = math.exp(low + (high - low) * float(torch.rand(1, generator=gen)))
     layers = []
     for _ in range(spec.num_layers):
+        qk = random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, gen)
         layers.append(
             LayerTransform(
                 head_perm=random_head_perm(spec, gen),
                 ffn_perm=torch.randperm(spec.intermediate_size, generator=gen),
-                qk=random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, gen),
+                qk=qk if group.qk_maps else None,
                 ov=random_well_conditioned((spec.num_kv_heads,), spec.head_dim, gen),
             )
         )
     return Transform(
         num_layers=spec.num_layers,
         absorb_norms=True,
-        rotation=random_orthogonal(spec.hidden_size, gen, fix_ones=spec.norm == "layernorm"),
+        rotation=random_residual_map(spec, gen),
         scale=scale,
         layers=tuple(layers),
     )

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.view import ModelSpec
+from lmc_mergekit.symmetry.group import SymmetryGroup, symmetry_group
 from lmc_mergekit.symmetry.rope import rope_commutation_error
 
 FORMAT = "lmc-mergekit-transform-v1"
@@ -121,30 +122,45 @@ class Transform:
                 f"transform is for {self.num_layers} layers but the {name} model has "
                 f"{spec.num_layers}; use a transform made for this model"
             )
-        d = spec.hidden_size
+        group = symmetry_group(spec)
         if self.rotation is not None:
-            q = self.rotation.double()
-            if q.shape != (d, d):
-                raise LmcError(
-                    f"transform rotation is {tuple(q.shape)} but the model's hidden size is {d}"
-                )
-            err = float((q.T @ q - torch.eye(d, dtype=q.dtype)).abs().max())
-            if err > ORTHOGONALITY_TOL:
-                raise LmcError(f"transform rotation is not orthogonal (|QᵀQ - I| = {err:.2e})")
-            if spec.norm == "layernorm":
-                ones = torch.ones(d, dtype=q.dtype)
-                drift = float((ones @ q - ones).abs().max())
-                if drift > ORTHOGONALITY_TOL:
-                    raise LmcError(
-                        f"{name} uses LayerNorm, which needs a rotation fixing the all-ones "
-                        f"vector (|1·Q - 1| = {drift:.2e}); build it with ones_fixing_rotation"
-                    )
+            _check_rotation(self.rotation.double(), spec, group)
         for index, layer in enumerate(self.layers):
-            _check_layer(layer, spec, index)
+            _check_layer(layer, spec, group, index)
 
 
-def _check_layer(layer: LayerTransform, spec: ModelSpec, index: int) -> None:
+def _check_rotation(q: torch.Tensor, spec: ModelSpec, group: SymmetryGroup) -> None:
+    d = spec.hidden_size
+    if q.shape != (d, d):
+        raise LmcError(f"transform rotation is {tuple(q.shape)} but the model's hidden size is {d}")
+    err = float((q.T @ q - torch.eye(d, dtype=q.dtype)).abs().max())
+    if err > ORTHOGONALITY_TOL:
+        raise LmcError(f"transform rotation is not orthogonal (|QᵀQ - I| = {err:.2e})")
+    if group.residual == "ones_fixing":
+        ones = torch.ones(d, dtype=q.dtype)
+        drift = float((ones @ q - ones).abs().max())
+        if drift > ORTHOGONALITY_TOL:
+            raise group.refuse(
+                "residual",
+                f"a residual rotation that moves the all-ones vector (|1·Q - 1| = {drift:.2e}; "
+                "build one with ones_fixing_rotation)",
+            )
+    if group.residual == "signed_permutation" and not is_signed_permutation(q):
+        raise group.refuse("residual", "a residual rotation other than a signed permutation")
+
+
+def is_signed_permutation(q: torch.Tensor) -> bool:
+    """Whether ``q`` (orthogonal) has one ±1 per row and column, up to rounding."""
+    magnitude = q.abs()
+    return bool(((magnitude - 1).abs() < ORTHOGONALITY_TOL).sum(dim=1).eq(1).all()) and bool(
+        (magnitude.sum(dim=1) - 1).abs().max() < ORTHOGONALITY_TOL * q.shape[0]
+    )
+
+
+def _check_layer(layer: LayerTransform, spec: ModelSpec, group: SymmetryGroup, index: int) -> None:
     where = f"transform layer {index}"
+    if layer.qk is not None and not group.qk_maps:
+        raise group.refuse("qk", f"QK maps ({where})")
     shape = (spec.num_kv_heads, spec.head_dim, spec.head_dim)
     for kind, maps in (("QK", layer.qk), ("OV", layer.ov)):
         if maps is None:

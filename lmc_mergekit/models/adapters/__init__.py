@@ -9,9 +9,27 @@ from lmc_mergekit.models.adapters.base import Adapter, CheckpointView, load_conf
 from lmc_mergekit.models.adapters.gpt2 import GPT2Adapter
 from lmc_mergekit.models.adapters.gpt_neox import GPTNeoXAdapter
 from lmc_mergekit.models.adapters.llama import LlamaAdapter
+from lmc_mergekit.models.adapters.modern import (
+    Gemma2Adapter,
+    Gemma3TextAdapter,
+    GemmaAdapter,
+    Olmo2Adapter,
+    Phi3Adapter,
+    Qwen3Adapter,
+)
 from lmc_mergekit.models.checkpoint import check_checkpoint, model_dir, read_config
 
-ADAPTERS: tuple[Adapter, ...] = (GPTNeoXAdapter(), LlamaAdapter(), GPT2Adapter())
+ADAPTERS: tuple[Adapter, ...] = (
+    GPTNeoXAdapter(),
+    LlamaAdapter(),
+    GPT2Adapter(),
+    Qwen3Adapter(),
+    GemmaAdapter(),
+    Gemma2Adapter(),
+    Gemma3TextAdapter(),
+    Phi3Adapter(),
+    Olmo2Adapter(),
+)
 SUPPORTED_MODEL_TYPES = tuple(sorted(t for a in ADAPTERS for t in a.model_types))
 
 

@@ -80,6 +80,11 @@ class Adapter(ABC):
     def head_tensors(self, head: Head, spec: ModelSpec) -> dict[str, torch.Tensor]:
         """Checkpoint tensors for the final norm and, unless tied, the LM head."""
 
+    def embedding_multiplier(self, hidden_size: int) -> float:
+        """The constant a model of this family with ``hidden_size`` multiplies its token
+        embeddings by (1: none)."""
+        return 1.0
+
     def config_updates(self, spec: ModelSpec) -> dict:
         """config.json entries that follow from ``spec``, other than the rotary settings
         (transforms change the norm epsilon and the tying; size conversion the shape)."""
@@ -93,11 +98,8 @@ class Adapter(ABC):
         dropped) only where ``spec`` changes the base or the rotary fraction.
         """
         config = {**raw, **self.config_updates(spec)}
-        kinds = raw.get("layer_types")
-        if isinstance(kinds, list) and len(kinds) != spec.num_layers:
-            if len(set(kinds)) > 1:
-                raise LmcError(self.blockwise_problem(raw))
-            config["layer_types"] = kinds[:1] * spec.num_layers
+        if spec.layer_types and isinstance(raw.get("layer_types"), list):
+            config["layer_types"] = list(spec.layer_types)
         if not spec.rotary_dims:
             return config
         model_type = raw["model_type"]
@@ -118,12 +120,6 @@ class Adapter(ABC):
     def blockwise_problem(self, raw: dict) -> str | None:
         """Why blocks of the model with config.json ``raw`` cannot be run (or kept) one at a
         time, as size conversion does; None when they can."""
-        kinds = raw.get("layer_types")
-        if isinstance(kinds, list) and len(set(kinds)) > 1:
-            return (
-                f"the layers of this {raw.get('model_type')} model use different attention types "
-                f"({', '.join(sorted(set(kinds)))}); they cannot be converted block by block"
-            )
         return None
 
     def module_state(self, parts: tuple[Embeddings, list[Block], Head], spec: ModelSpec) -> dict:
@@ -226,9 +222,27 @@ def rotary_factor(rotary_dims: int, head_dim: int) -> float:
     return factor
 
 
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """A config's rotary parameters (transformers 5 ``rope_parameters``); for families with one
+    set per attention type (Gemma 3), the full-attention layers'."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(value, dict) for value in params.values()):
+        return params.get("full_attention") or next(iter(params.values()))
+    return params
+
+
+def rope_type(config: PretrainedConfig) -> str:
+    """The rotary type (``default``, ``llama3``, ``yarn``, ...), or ``per-layer-type`` where
+    the attention types have rotary parameters of their own."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(value, dict) for value in params.values()):
+        return "per-layer-type"
+    return params.get("rope_type", "default")
+
+
 def rope_theta(config: PretrainedConfig) -> float:
     """The rotary base of a config (transformers 5 ``rope_parameters`` or older keys)."""
-    params = getattr(config, "rope_parameters", None) or {}
+    params = rope_parameters(config)
     for value in (
         params.get("rope_theta"),
         getattr(config, "rope_theta", None),
@@ -241,7 +255,7 @@ def rope_theta(config: PretrainedConfig) -> float:
 
 def rotary_dims(config: PretrainedConfig, head_dim: int) -> int:
     """Rotary dimensions per head from a config (transformers 5 ``rope_parameters`` or older)."""
-    params = getattr(config, "rope_parameters", None) or {}
+    params = rope_parameters(config)
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     dims = int(head_dim * (1.0 if factor is None else factor))
     if dims % 2:

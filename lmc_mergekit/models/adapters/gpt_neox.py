@@ -8,7 +8,13 @@ from typing import ClassVar
 import torch
 from transformers import PretrainedConfig
 
-from lmc_mergekit.models.adapters.base import Adapter, read_norm, rope_theta, rotary_dims
+from lmc_mergekit.models.adapters.base import (
+    Adapter,
+    read_norm,
+    rope_theta,
+    rope_type,
+    rotary_dims,
+)
 from lmc_mergekit.models.checkpoint import CheckpointReader
 from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec
 
@@ -55,6 +61,7 @@ class GPTNeoXAdapter(Adapter):
             activation=config.hidden_act,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope_theta=rope_theta(config),
+            rope_type=rope_type(config),
         )
 
     def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:

@@ -1,0 +1,75 @@
+"""The families people merge today, each a small delta on the Llama layout (as transformers'
+``modular_*.py`` files define them): what each one changes is data on its adapter."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from lmc_mergekit.models.adapters.llama import LlamaAdapter
+
+
+class Qwen3Adapter(LlamaAdapter):
+    """Qwen3: Llama with an RMSNorm of ``head_dim`` on queries and keys (one gain for every
+    head), applied after the projection and before RoPE."""
+
+    model_types = ("qwen3",)
+    qk_norm: ClassVar[str] = "head"
+
+
+class GemmaAdapter(LlamaAdapter):
+    """Gemma: norm gains stored as ``1 + w``, token embeddings multiplied by ``sqrt(d)`` inside
+    the model (in the model's dtype), tied embeddings."""
+
+    model_types = ("gemma",)
+    norm_offset: ClassVar[float] = 1.0
+
+    def embedding_multiplier(self, hidden_size: int) -> float:
+        # transformers keeps sqrt(d) as a float32 buffer and casts it to the weights' dtype; the
+        # tool computes in float32.
+        return float(torch.tensor(hidden_size**0.5, dtype=torch.float32))
+
+
+class Gemma2Adapter(GemmaAdapter):
+    """Gemma 2: Gemma with sandwich norms (a norm before and after the attention and the MLP),
+    attention scaled by ``query_pre_attn_scalar``, soft-capped attention and final logits,
+    and alternating sliding-window and full-attention layers."""
+
+    model_types = ("gemma2",)
+    block_norms: ClassVar[dict[str, str]] = {
+        "attn_norm": "input_layernorm",
+        "attn_post_norm": "post_attention_layernorm",
+        "mlp_norm": "pre_feedforward_layernorm",
+        "mlp_post_norm": "post_feedforward_layernorm",
+    }
+
+
+class Gemma3TextAdapter(Gemma2Adapter):
+    """Gemma 3 (text): Gemma 2 with a per-head QK-norm (gains ``1 + w`` too) instead of the
+    attention soft-cap, and local layers with their own rotary base."""
+
+    model_types = ("gemma3_text",)
+    qk_norm: ClassVar[str] = "head"
+
+
+class Phi3Adapter(LlamaAdapter):
+    """Phi-3: Llama with ``qkv_proj`` (rows ``[Q | K | V]``) and ``gate_up_proj`` (rows
+    ``[gate | up]``) stored fused; ``partial_rotary_factor`` below 1 as in Phi-4-mini."""
+
+    model_types = ("phi3",)
+    fused_qkv: ClassVar[str | None] = "self_attn.qkv_proj"
+    fused_gate_up: ClassVar[str | None] = "mlp.gate_up_proj"
+
+
+class Olmo2Adapter(LlamaAdapter):
+    """OLMo 2: no norm before the attention or the MLP; their outputs are normalised before they
+    join the stream (post-norms), and queries and keys are normalised over the whole
+    projection."""
+
+    model_types = ("olmo2",)
+    block_norms: ClassVar[dict[str, str]] = {
+        "attn_post_norm": "post_attention_layernorm",
+        "mlp_post_norm": "post_feedforward_layernorm",
+    }
+    qk_norm: ClassVar[str] = "projection"
