@@ -361,12 +361,33 @@ def test_heterogeneous_pair_without_a_layer_mapping_is_refused(tmp_path):
     refused(result, out, "no layer mapping", "_bias")
 
 
-def test_heterogeneous_pair_with_different_vocabularies_is_refused(tmp_path):
-    target = model_with_tokenizer(tmp_path / "t", "llama")
-    source = build_model("llama", tmp_path / "s", hidden_size=32)  # the tiny 96-token vocabulary
+def test_across_tokenizers_and_families_the_target_keeps_its_own_tensors(tmp_path):
+    """The LS-Merge paper's setting (one family's model injected into another's): blocks map by
+    relative depth and tensors by role; what has no counterpart (embeddings and head across
+    tokenizers, the norms only the target's family has) keeps the target's own latents."""
+    target = model_with_tokenizer(tmp_path / "t", "gemma2_softcap_windows", book=0)
+    source = model_with_tokenizer(tmp_path / "s", "llama", vocab_size=280, book=1)
     out = tmp_path / "out"
-    result = run_yaml(recipe_for(target, source, base=target), tmp_path, out)
-    refused(result, out, "vocabulary of 96", "one tokenizer")
+    recipe = recipe_for(target, source, weights=[0.9, 0.1], base=target, eval_sequences=4)
+    report = merged_ok(run_yaml(recipe, tmp_path, out), out)
+    assert report["kind"] == "heterogeneous"
+    assert [e["role"] for e in report["inputs"]] == ["target", "source"]
+    kept = set(report["transport"]["target_only"])
+    assert {"embeddings.tokens@-1", "head.norm.weight@-1"} <= kept  # other tokenizer
+    assert {"attn_post_norm.weight@0", "mlp_post_norm.weight@1"} <= kept  # only Gemma 2 has
+    assert "attn.q@0" not in kept
+    merged, original = tensors(out), tensors(target)
+    assert merged.keys() == original.keys()
+    for key in ("model.embed_tokens.weight", "model.layers.0.post_attention_layernorm.weight"):
+        torch.testing.assert_close(merged[key], original[key], rtol=0, atol=1e-6)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[q], original[q], atol=1e-4)
+    # Each input is measured with its own tokenizer; the merge with the target's.
+    assert all(set(entry["test_loss"]) == {"original", "decoded"} for entry in report["inputs"])
+    # Without a target named, models of two families are refused.
+    refused_out = tmp_path / "refused"
+    recipe = recipe_for(target, source, evaluate=False)
+    refused(run_yaml(recipe, tmp_path, refused_out), refused_out, "one family", "base_model")
 
 
 def test_an_autoencoder_that_does_not_fit_is_refused(pair, tmp_path):

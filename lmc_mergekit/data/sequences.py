@@ -188,6 +188,17 @@ def load_tokenizer(model_dirs: Sequence[str | Path]) -> Any:
     return tokenizer
 
 
+def shares_tokenizer(a: Path, b: Path) -> bool:
+    """Whether two checkpoint folders tokenise alike: the same tokenizer where both have one,
+    else (nothing to compare) the same vocabulary size."""
+    from lmc_mergekit.models.checkpoint import read_config
+
+    has = [any((f / name).is_file() for name in TOKENIZER_FILES) for f in (a, b)]
+    if all(has):
+        return _signature(_tokenizer_of(a)) == _signature(_tokenizer_of(b))
+    return read_config(a).get("vocab_size") == read_config(b).get("vocab_size")
+
+
 def _tokenizer_of(folder: Path) -> Any:
     from transformers import AutoTokenizer
 

@@ -1,11 +1,13 @@
-"""Moving the latents of a source model onto a target model of another width or depth.
+"""Moving the latents of a source model onto a target model of another width, depth or family.
 
-Every target piece (kind, layer) takes the source piece of the same kind at the layer of the
-same relative depth. Its per-chunk latents are resampled along the chunk axis to the target's
-chunk count (the projection to a common dimension), then moved by the closed-form Gaussian
-optimal-transport map fitted between the source and the target latents of those two layers
-(all kinds of a layer pooled: one distribution per layer, as the paper fits). The moved
-latents are decoded with the target's normalisation.
+Every target piece (kind, layer) takes the source piece of the same kind (role) at the layer of
+the same relative depth. Its per-chunk latents are resampled along the chunk axis to the
+target's chunk count (the projection to a common dimension), then moved by the closed-form
+Gaussian optimal-transport map fitted between the source and the target latents of those two
+layers (all kinds of a layer pooled: one distribution per layer, as the paper fits). The moved
+latents are decoded with the target's normalisation. Between families (or tokenizers), a
+target piece without a counterpart (a norm only the target's family has; the embeddings and
+the head, where the tokenizers differ) keeps the target's own latents.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def layer_map(source_layers: int, target_layers: int) -> dict[int, int]:
         relative = layer / (target_layers - 1) if target_layers > 1 else 0.0
         mapping[layer] = round(relative * (source_layers - 1))
     return mapping
+
+
+def own_pieces(
+    source: set[tuple[str, int]],
+    pieces: list[Piece],
+    mapping: dict[int, int],
+    same_tokenizer: bool,
+) -> set[tuple[str, int]]:
+    """The target pieces (kind, layer) without a source counterpart: those the source family
+    lacks, and, between tokenizers, the embeddings and the head."""
+    return {
+        (p.kind, p.layer)
+        for p in pieces
+        if (p.kind, mapping[p.layer]) not in source or (p.layer < 0 and not same_tokenizer)
+    }
 
 
 def check_mapping(
@@ -61,13 +78,16 @@ def transport_source(
     mapping: dict[int, int],
     shrinkage: float,
     source_name: str,
+    own: set[tuple[str, int]] = frozenset(),
 ) -> tuple[dict[tuple[str, int], EncodedTensor], dict]:
-    """The source's latents for every target piece, and a record of the map per layer."""
-    check_mapping(set(source), pieces, mapping, source_name)
-    moved: dict[tuple[str, int], EncodedTensor] = {}
+    """The source's latents for every target piece (the target's own for the pieces in
+    ``own``), and a record of the map per layer."""
+    moved = {key: target[key] for key in own}
+    mapped = [piece for piece in pieces if (piece.kind, piece.layer) not in own]
+    check_mapping(set(source), mapped, mapping, source_name)
     record = {}
-    for layer in sorted({piece.layer for piece in pieces}):
-        in_layer = [piece for piece in pieces if piece.layer == layer]
+    for layer in sorted({piece.layer for piece in mapped}):
+        in_layer = [piece for piece in mapped if piece.layer == layer]
         sources = [source[(piece.kind, mapping[layer])] for piece in in_layer]
         targets = [target[(piece.kind, layer)] for piece in in_layer]
         transport = gaussian_transport(

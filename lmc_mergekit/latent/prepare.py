@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from lmc_mergekit.data.sequences import shares_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder
 from lmc_mergekit.latent.chunks import NamedTensor, model_tensors
 from lmc_mergekit.latent.codec import EncodedTensor, decode_tensor, encode_tensor, relative_error
-from lmc_mergekit.latent.heterogeneous import check_mapping, layer_map, transport_source
+from lmc_mergekit.latent.heterogeneous import check_mapping, layer_map, own_pieces, transport_source
 from lmc_mergekit.latent.store import LatentStore, write_latents
 from lmc_mergekit.latent.tensor_merge import decode_key
 from lmc_mergekit.models.adapters import CheckpointView
@@ -55,16 +56,30 @@ class LatentInput:
         found = {piece for key_layout in self.layout.values() for piece in key_layout.pieces}
         return sorted(found, key=lambda piece: (piece.layer, piece.kind))
 
+    @property
+    def family(self) -> str:
+        return self.view.spec.architecture
 
-def check_heterogeneous(target: LatentInput, sources: list[LatentInput]) -> None:
-    """A one-line error unless every target tensor has a counterpart in every source."""
-    for source in sources:
-        check_mapping(
-            {(t.kind, t.layer) for t in source.tensors},
-            target.pieces,
-            layer_map(source.view.spec.num_layers, target.view.spec.num_layers),
-            source.view.folder.name,
-        )
+    def moves_onto(self, target: LatentInput) -> bool:
+        """Whether this model's latents must be moved onto ``target``'s (another shape or
+        family), rather than merged as they are."""
+        mismatch = target.view.spec.shape_mismatch(self.view.spec)
+        return self.family != target.family or mismatch is not None
+
+
+def target_only_pieces(target: LatentInput, source: LatentInput) -> set[tuple[str, int]]:
+    """The target pieces that keep the target's own latents when ``source`` is moved onto it:
+    between families, the kinds the source's family lacks, and between tokenizers the
+    embeddings and the head. Within one family every block tensor must have a counterpart (a
+    one-line error otherwise)."""
+    kinds = {(t.kind, t.layer) for t in source.tensors}
+    mapping = layer_map(source.view.spec.num_layers, target.view.spec.num_layers)
+    same_tokenizer = shares_tokenizer(target.view.folder, source.view.folder)
+    own = own_pieces(kinds, target.pieces, mapping, same_tokenizer)
+    if source.family == target.family:
+        gaps = [p for p in target.pieces if (p.kind, p.layer) in own and p.layer >= 0]
+        check_mapping(kinds, gaps, mapping, source.view.folder.name)
+    return own
 
 
 def prepare_latents(
@@ -77,9 +92,9 @@ def prepare_latents(
     progress: bool,
 ) -> tuple[list[dict], dict | None]:
     """Encode every model into its prepared folder in ``outputs``; in a heterogeneous merge the
-    first is the target and the others of another shape are moved onto it. Returns a record per
-    model (role, shape, reconstruction error per tensor, seconds) and, heterogeneous, the
-    transport record (layer map and the map per layer)."""
+    first is the target and the others of another shape or family are moved onto it. Returns a
+    record per model (role, shape, reconstruction error per tensor, seconds) and, heterogeneous,
+    the transport record (layer map, the map per layer, the pieces the target kept)."""
     entries, transport, target = [], None, None
     for index, (model, out) in enumerate(zip(models, outputs, strict=True)):
         started = time.perf_counter()
@@ -94,13 +109,18 @@ def prepare_latents(
         role, like = "input", model
         if heterogeneous and index == 0:
             role, target = "target", (model, encoded)
-        elif heterogeneous and models[0].view.spec.shape_mismatch(view.spec) is not None:
+        elif heterogeneous and model.moves_onto(models[0]):
             role, like = "source", target[0]
             mapping = layer_map(view.spec.num_layers, like.view.spec.num_layers)
+            own = target_only_pieces(like, model)
             encoded, layers = transport_source(
-                encoded, target[1], like.pieces, mapping, shrinkage, view.folder.name
+                encoded, target[1], like.pieces, mapping, shrinkage, view.folder.name, own
             )
-            transport = {"layer_map": {str(k): v for k, v in mapping.items()}, "layers": layers}
+            transport = {
+                "layer_map": {str(k): v for k, v in mapping.items()},
+                "layers": layers,
+                "target_only": sorted(f"{kind}@{layer}" for kind, layer in own),
+            }
             decoded = {key: decode_tensor(autoencoder, code) for key, code in encoded.items()}
         originals = {(t.kind, t.layer): t.tensor for t in like.tensors}
         # A source has no weights of the output's shape, hence no reconstruction residual.

@@ -73,12 +73,15 @@ class LearningResult:
     seconds: float
     rollbacks: list[dict] = field(default_factory=list)
     resumed_from: int | None = None
+    #: The symmetry families learned (those asked for that the model admits).
+    families: tuple[str, ...] = ()
 
     def summary(self) -> dict:
         """JSON-ready facts for the report."""
         window = max(1, len(self.losses) // 10)
         return {
             "steps": len(self.losses),
+            "families": list(self.families),
             "seconds": round(self.seconds, 3),
             "first_loss": _mean(self.losses[:window]),
             "last_loss": _mean(self.losses[-window:]),
@@ -204,6 +207,7 @@ def learn_symmetries(
         seconds=time.perf_counter() - start,
         rollbacks=state.rollbacks,
         resumed_from=resumed_from,
+        families=tuple(f for f in FAMILIES if any(s and f in s.families for s in learned)),
     )
 
 

@@ -46,6 +46,12 @@ class Section(BaseModel):
         its cache key)."""
         return []
 
+    def evaluation_inputs(
+        self, inputs: tuple[Path, ...], base_model: Path | None
+    ) -> tuple[Path, ...]:
+        """The inputs whose shared tokenizer tokenises the test split (the merged model's)."""
+        return inputs
+
     def check_inputs(
         self, inputs: list[Path], base_model: Path | None, trust_remote_code: bool = False
     ) -> None:
@@ -155,8 +161,9 @@ class Compared:
 class MeasureContext(StageContext):
     """What a measurement gets besides, once mergekit has written the merged model: the
     prepared checkpoint of each input and the pass's record, the merged model, the comparison
-    merges it declared, the test split (None when the recipe does not evaluate), a scratch
-    folder (removed afterwards) and the folder for files that go next to the merged model."""
+    merges it declared, the test split (None when the recipe does not evaluate; tokenised for
+    the merged model), a scratch folder (removed afterwards), the folder for files that go next
+    to the merged model, and the test split as any one checkpoint tokenises it."""
 
     prepared: tuple[Path, ...]
     preparation: Record
@@ -165,6 +172,8 @@ class MeasureContext(StageContext):
     test: Split | None
     scratch: Path
     files: Path
+    #: The test split tokenised by the tokenizer of the checkpoint in a folder.
+    split_for: Callable[[Path], Split]
 
 
 class Report(Record):

@@ -152,6 +152,7 @@ class LearningRecord(Record):
 
     data: SplitRecord
     steps: int
+    families: list[str] = Field(default_factory=list)
     seconds: float
     first_loss: float | None
     last_loss: float | None

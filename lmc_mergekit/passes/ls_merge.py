@@ -18,7 +18,7 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.latent.prepare import LatentInput, check_heterogeneous, prepare_latents
+from lmc_mergekit.latent.prepare import LatentInput, prepare_latents, target_only_pieces
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.checkpoint import model_dir
 from lmc_mergekit.passes.autoencoder_cache import check_fits, obtain_autoencoder
@@ -110,6 +110,11 @@ class LatentSettings(TextSettings):
             folders.append(Path(self.autoencoder).expanduser().resolve().parent)
         return folders
 
+    def evaluation_inputs(self, inputs: tuple[Path, ...], base_model: Path | None):
+        # A heterogeneous merge has the target's shape and tokenizer (the source may have
+        # another): the test split is the target's.
+        return inputs[:1] if base_model is not None else inputs
+
     def check_inputs(
         self, inputs: list[Path], base_model: Path | None, trust_remote_code: bool = False
     ) -> None:
@@ -119,8 +124,9 @@ class LatentSettings(TextSettings):
                 "self-merge of K posterior samples) or list more models"
             )
         views = [open_model(path, trust_remote_code) for path in inputs]
-        _check_one_family(views + [open_model(p, trust_remote_code) for p in self.extra_models])
+        extra = [open_model(p, trust_remote_code) for p in self.extra_models]
         merge_kind(views, base_model)
+        _check_families(views, extra)
 
     def merge_parameters(self) -> dict:
         """mergekit parameters of the ``ls_merge`` method that this section sets."""
@@ -266,12 +272,14 @@ def prepare(ctx: PassContext) -> LatentPreparation | None:
     settings: LatentSettings = ctx.settings
     views = [open_model(path, ctx.options.trust_remote_code) for path in ctx.inputs]
     extra = [open_model(path, ctx.options.trust_remote_code) for path in settings.extra_models]
-    _check_one_family(views + extra)
     kind = merge_kind(views, ctx.base_model)
+    _check_families(views, extra)
     ctx.load_test()  # data before any heavy work
     models = [LatentInput.read(view) for view in views]
-    if kind == "heterogeneous":  # before any training: every target tensor needs a source
-        check_heterogeneous(models[0], models[1:])
+    if kind == "heterogeneous":  # before any training: every target block tensor needs a source
+        for model in models[1:]:
+            if model.moves_onto(models[0]):
+                target_only_pieces(models[0], model)
     training = [t for model in models for t in model.tensors]
     training += [t for view in extra for t in LatentInput.read(view).tensors]
     device = pass_device(ctx.options)
@@ -345,8 +353,10 @@ def measure(ctx: MeasureContext) -> LatentReport:
         return loss[folder]
 
     for entry, prepared in zip(report.inputs, ctx.prepared, strict=True):
+        original = Path(entry.model)  # tokenised by its own tokenizer, which may be another
         entry.test_loss = InputLosses(
-            original=test_loss(Path(entry.model)), decoded=test_loss(prepared)
+            original=model_test_loss(original, ctx.split_for(original), ctx.options),
+            decoded=test_loss(prepared),
         )
     merged = test_loss(ctx.merged)
     report.merged = MergedLoss(test_loss=merged, tokens=ctx.test.record.tokens)
@@ -377,40 +387,39 @@ def measure(ctx: MeasureContext) -> LatentReport:
     return report
 
 
-def _check_one_family(views) -> None:
-    for view in views[1:]:
-        if view.adapter is not views[0].adapter:
+def _check_families(views, extra) -> None:
+    """``extra_models`` of a family the merge has (:func:`merge_kind` checks the inputs)."""
+    families = {view.spec.architecture for view in views}
+    for view in extra:
+        if view.spec.architecture not in families:
             raise LmcError(
-                f"ls_merge merges models of one family: {views[0].folder.name} is "
-                f"{views[0].spec.architecture}, {view.folder.name} is {view.spec.architecture}"
+                f"extra model {view.folder.name} is {view.spec.architecture}, not of one family "
+                f"with a merged model ({', '.join(sorted(families))}); the autoencoder trains on "
+                "the families it merges"
             )
 
 
 def merge_kind(views, base_model: Path | None) -> str:
-    """``self-merge``, ``homogeneous`` or ``heterogeneous`` (then the target comes first)."""
+    """``self-merge``, ``homogeneous`` or ``heterogeneous`` (models of different shapes or
+    families; then the target, the recipe's ``base_model``, comes first)."""
     if len(views) == 1:
         return "self-merge"
-    mismatch = next(
-        (
-            (view, found)
-            for view in views[1:]
-            if (found := views[0].spec.shape_mismatch(view.spec)) is not None
-        ),
-        None,
-    )
-    if mismatch is None:
-        return "homogeneous"
-    view, (key, a, b) = mismatch
-    if base_model is None or base_model != views[0].folder:
-        raise LmcError(
-            f"models of different shapes ({key} {a} in {views[0].folder.name}, {b} in "
-            f"{view.folder.name}) need a heterogeneous merge: name the target as base_model"
-        )
+    first = views[0]
+    targeted = base_model is not None and base_model == first.folder
     for view in views[1:]:
-        if view.spec.vocab_size != views[0].spec.vocab_size:
+        if view.spec.architecture != first.spec.architecture and not targeted:
             raise LmcError(
-                f"{view.folder.name} has a vocabulary of {view.spec.vocab_size}, the target "
-                f"{views[0].spec.vocab_size}; a heterogeneous merge needs models that share one "
-                "tokenizer"
+                f"ls_merge merges models of one family, unless one is the target of a "
+                f"heterogeneous merge: {first.folder.name} is {first.spec.architecture}, "
+                f"{view.folder.name} is {view.spec.architecture}; name the target as base_model"
             )
-    return "heterogeneous"
+        mismatch = first.spec.shape_mismatch(view.spec)
+        if mismatch is not None and not targeted:
+            key, a, b = mismatch
+            raise LmcError(
+                f"models of different shapes ({key} {a} in {first.folder.name}, {b} in "
+                f"{view.folder.name}) need a heterogeneous merge: name the target as base_model"
+            )
+        if mismatch is not None or view.spec.architecture != first.spec.architecture:
+            return "heterogeneous"
+    return "homogeneous"

@@ -1,40 +1,79 @@
 """Repairs of mergekit 0.1.5's architecture definitions that current checkpoints do not match.
 
-GPT-NeoX: the shipped ``gpt-neox.json`` requires ``attention.bias``, ``attention.masked_bias`` and
-``attention.rotary_emb.inv_freq`` in every layer; checkpoints saved by current transformers lack
-these buffers, so every GPT-NeoX merge fails. The repaired entry marks them optional and lets the
-head be read under either of its names (``embed_out`` on the Hub, ``lm_head`` from some tools).
+- GPT-NeoX: the shipped ``gpt-neox.json`` requires ``attention.bias``,
+  ``attention.masked_bias`` and ``attention.rotary_emb.inv_freq`` in every layer; checkpoints
+  saved by current transformers lack these buffers, so every GPT-NeoX merge fails. They become
+  optional, and the head is read under either of its names (``embed_out`` on the Hub,
+  ``lm_head`` from some tools).
+- Gemma has no ``lm_head`` at all, and Phi-3 requires one: a Gemma whose head was untied (by any
+  residual rotation, so by every ``lmc_dm`` merge) would silently lose it in a merge, and a Phi
+  model with tied embeddings (Phi-4-mini) fails. Both get the optional head, tied to the
+  embeddings, that the Llama definition has.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import mergekit._data.architectures
 from mergekit.architecture import json_definitions
 
-ARCH_NAME = "GPTNeoXForCausalLM"
-OPTIONAL_SUFFIXES = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
+TIED_HEAD = {
+    "name": "lm_head.weight",
+    "vocabulary_axis": 0,
+    "optional": True,
+    "tied_names": ["model.embed_tokens.weight"],
+}
 
 
-def repaired_definition() -> dict:
-    """The GPT-NeoX definition with the stale buffers optional and the head aliased."""
-    text = importlib.resources.files(mergekit._data.architectures).joinpath("gpt-neox.json")
-    data = json.loads(text.read_text())
+def _gpt_neox(data: dict) -> None:
+    stale = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
     for weight in data["layer_templates"]["weights"]:
-        if weight["name"].endswith(OPTIONAL_SUFFIXES):
+        if weight["name"].endswith(stale):
             weight["optional"] = True
     for weight in data["post_weights"]:
         if weight["name"] == "embed_out.weight":
             weight["aliases"] = ["lm_head.weight"]
-    return data
+
+
+def _optional_tied_head(data: dict) -> None:
+    data["post_weights"] = [w for w in data["post_weights"] if w["name"] != "lm_head.weight"]
+    data["post_weights"].append(dict(TIED_HEAD))
+
+
+@dataclass(frozen=True)
+class Repair:
+    """One definition file, the architecture and model type it is registered under, and the
+    edit that makes it match current checkpoints."""
+
+    file: str
+    architecture: str
+    model_type: str
+    edit: Callable[[dict], None]
+
+    def definition(self) -> dict:
+        """The repaired definition."""
+        text = importlib.resources.files(mergekit._data.architectures).joinpath(self.file)
+        data = json.loads(text.read_text())
+        self.edit(data)
+        return data
+
+
+REPAIRS = (
+    Repair("gpt-neox.json", "GPTNeoXForCausalLM", "gpt_neox", _gpt_neox),
+    Repair("gemma.json", "GemmaForCausalLM", "gemma", _optional_tied_head),
+    Repair("phi3.json", "Phi3ForCausalLM", "phi3", _optional_tied_head),
+)
 
 
 def repair_architectures() -> None:
     """Replace mergekit's entries by the repaired ones (idempotent)."""
-    fixed = json_definitions._load_architecture_json(json.dumps(repaired_definition()))
-    entries = json_definitions.NAME_TO_ARCH.get(ARCH_NAME, [])
-    json_definitions.NAME_TO_ARCH[ARCH_NAME] = [
-        fixed if arch.expected_model_type == "gpt_neox" else arch for arch in entries
-    ] or [fixed]
+    for repair in REPAIRS:
+        fixed = json_definitions._load_architecture_json(json.dumps(repair.definition()))
+        entries = json_definitions.NAME_TO_ARCH.get(repair.architecture, [])
+        json_definitions.NAME_TO_ARCH[repair.architecture] = [
+            fixed if arch.expected_model_type == repair.model_type else arch for arch in entries
+        ] or [fixed]

@@ -14,6 +14,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
 from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.demo import DEMO_ALIGN_STEPS, DEMO_TRAIN_STEPS
+from lmc_mergekit.zoo.architectures import ZOO_ARCHITECTURES
 
 
 def one_line_errors(fn):
@@ -185,10 +186,10 @@ def _transform_and_report(model, out, transform, overwrite, trust_remote_code) -
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--arch",
-    type=click.Choice(["gpt_neox", "llama"]),
+    type=click.Choice(ZOO_ARCHITECTURES),
     default="gpt_neox",
     show_default=True,
-    help="Pythia-like GPT-NeoX or Llama with GQA",
+    help="Pythia-like GPT-NeoX, Llama with GQA, or a modern family built like it",
 )
 @click.option("--hidden", type=int, default=128, show_default=True, help="Width, a multiple of 32")
 @click.option("--layers", type=int, default=4, show_default=True, help="Number of layers")
@@ -396,9 +397,7 @@ def barrier_command(
 
 @main.command("demo")
 @click.argument("out", default="lmc-demo", required=False)
-@click.option(
-    "--arch", type=click.Choice(["gpt_neox", "llama"]), default="gpt_neox", show_default=True
-)
+@click.option("--arch", type=click.Choice(ZOO_ARCHITECTURES), default="gpt_neox", show_default=True)
 @click.option("--hidden", type=int, default=64, show_default=True, help="Width of the zoo models")
 @click.option("--layers", type=int, default=4, show_default=True, help="Depth of the zoo models")
 @click.option(

@@ -138,7 +138,21 @@ def run_plugin_recipe(
 def lazy_test_split(recipe: Recipe) -> Callable[[], Split | None]:
     """Loads the recipe's test split on first use (None when it does not evaluate), once."""
     inputs = tuple(plugin_inputs(recipe.config, recipe.method.name))
-    return functools.cache(lambda: load_test_split(inputs, recipe.settings, recipe.method.section))
+    base = recipe.config.base_model
+    readers = recipe.settings.evaluation_inputs(
+        inputs, None if base is None else model_dir(base.model.path)
+    )
+    return functools.cache(lambda: load_test_split(readers, recipe.settings, recipe.method.section))
+
+
+def _split_for(recipe: Recipe) -> Callable[[Path], Split]:
+    """The recipe's test split as one checkpoint's tokenizer cuts it (cached per folder)."""
+
+    @functools.cache
+    def split(folder: Path) -> Split:
+        return load_test_split((folder,), recipe.settings, recipe.method.section)
+
+    return split
 
 
 def launcher_rank() -> int:
@@ -291,6 +305,7 @@ def measure(
                     options=options,
                     scratch=Path(scratch),
                     files=work,
+                    split_for=_split_for(recipe),
                 )
             )
             report.write(work / report_file)

@@ -1,17 +1,37 @@
-"""Configs of the zoo's small models: Pythia-like GPT-NeoX and a small Llama with GQA.
+"""Configs of the zoo's small models: Pythia-like GPT-NeoX, a small Llama with GQA, and small
+models of the modern families (Qwen3, Gemma 2, Gemma 3, Phi-3, OLMo 2) built like the Llama.
 
-Both use 32-dimensional heads, so the head count follows from the width, and untied
+All use 32-dimensional heads, so the head count follows from the width, and untied
 embeddings, so the embedding and the unembedding are separate matrices to align and merge.
 """
 
 from __future__ import annotations
 
-from transformers import GPTNeoXConfig, LlamaConfig, PretrainedConfig
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPTNeoXConfig,
+    LlamaConfig,
+    Olmo2Config,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen3Config,
+)
 
 from lmc_mergekit.errors import LmcError
 
-ZOO_ARCHITECTURES = ("gpt_neox", "llama")
 HEAD_DIM = 32
+# The Llama-shaped families: config class and what each sets beyond the shared sizes. Windows
+# are half the zoo's sequence length (set in zoo_config), so that they matter.
+LLAMA_LIKE: dict[str, tuple[type, dict]] = {
+    "llama": (LlamaConfig, {}),
+    "qwen3": (Qwen3Config, {}),
+    "gemma2": (Gemma2Config, {"query_pre_attn_scalar": HEAD_DIM}),
+    "gemma3": (Gemma3TextConfig, {"query_pre_attn_scalar": HEAD_DIM}),
+    "phi3": (Phi3Config, {"partial_rotary_factor": 0.5}),
+    "olmo2": (Olmo2Config, {}),
+}
+ZOO_ARCHITECTURES = ("gpt_neox", *LLAMA_LIKE)
 
 
 def zoo_config(
@@ -44,12 +64,18 @@ def zoo_config(
             use_parallel_residual=True,
             **common,
         )
-    return LlamaConfig(
+    config_class, extra = LLAMA_LIKE[arch]
+    if arch in ("gemma2", "gemma3"):  # alternating local (windowed) and global layers
+        kinds = ("sliding_attention", "full_attention")
+        extra = {**extra, "sliding_window": seq_len // 2}
+        extra["layer_types"] = [kinds[i % 2] for i in range(layers)]
+    return config_class(
         head_dim=HEAD_DIM,
         num_key_value_heads=kv_heads(heads),
         # SwiGLU has three matrices instead of two: 8/3 keeps the MLP's size at that of a 4x MLP.
         intermediate_size=max(HEAD_DIM, round(8 * hidden / 3 / 32) * 32),
         **common,
+        **extra,
     )
 
 

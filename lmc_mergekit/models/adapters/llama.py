@@ -95,7 +95,6 @@ class LlamaAdapter(Adapter):
             rope_type=rope_type(config),
         )
 
-
     # ---- reading ------------------------------------------------------------------------
 
     def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:

@@ -1,0 +1,136 @@
+"""The modern families end to end: every method from a recipe through ``lmc-mergekit-yaml``,
+outputs loaded by transformers, and what the mathematics forbids refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from tiny_models import build_model, logits, probe_ids
+from tokenizer_helpers import model_with_tokenizer
+
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.symmetry.group import symmetry_group
+
+MODERN = (
+    "qwen3_qk_norm_gqa",
+    "gemma",
+    "gemma2_softcap_windows",
+    "gemma3_text",
+    "phi3_partial_rotary",
+    "olmo2",
+)
+ATOL = 5e-5
+
+
+def run_yaml(recipe: dict, tmp_path, out):
+    path = tmp_path / f"{out.name}.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    return CliRunner().invoke(mergekit_yaml_main, [str(path), str(out), "--quiet"])
+
+
+def recipe(method: str, models, **section) -> dict:
+    sections = {"lmc_dm": "alignment", "subclone_compensate": "subclone", "ls_merge": "latent"}
+    body = {
+        "merge_method": method,
+        "models": [{"model": str(m), "parameters": {"weight": 1.0}} for m in models],
+        "dtype": "float32",
+    }
+    if method in sections:
+        body[sections[method]] = section
+    return body
+
+
+@pytest.fixture(scope="module")
+def scrambled(tmp_path_factory):
+    """Per family: a tiny model and its scrambled copy (moved by a random element of exactly
+    its symmetry group)."""
+    root = tmp_path_factory.mktemp("modern")
+    pairs = {}
+    for variant in MODERN:
+        model = build_model(variant, root / variant / "model", seed=3)
+        copy = root / variant / "scrambled"
+        result = CliRunner().invoke(main, ["scramble", str(model), str(copy), "--seed", "5"])
+        assert result.exit_code == 0, result.output
+        pairs[variant] = (model, copy)
+    return pairs
+
+
+@pytest.mark.parametrize("variant", MODERN)
+def test_scramble_then_lmc_dm_merges_a_model_with_its_copy_into_itself(
+    scrambled, tmp_path, variant
+):
+    model, copy = scrambled[variant]
+    ids = probe_ids()
+    expected = logits(model, ids)
+    assert (logits(copy, ids) - expected).abs().max() < ATOL  # the copy computes the same
+    # mergekit's own definition of the family keeps every tensor (an untied head included).
+    linear = run_yaml(recipe("linear", [copy]), tmp_path, tmp_path / "linear")
+    assert linear.exit_code == 0, linear.output
+    assert (logits(tmp_path / "linear", ids) - expected).abs().max() < ATOL
+    # Weight matching undoes the scramble, so the average is the model itself.
+    out = tmp_path / "dm"
+    result = run_yaml(recipe("lmc_dm", [model, copy], steps=0, evaluate=False), tmp_path, out)
+    assert result.exit_code == 0, result.output
+    assert (logits(out, ids) - expected).abs().max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def with_text(tmp_path_factory):
+    """Per family: two tiny models with a real tokenizer (for calibration)."""
+    root = tmp_path_factory.mktemp("modern-text")
+    return {
+        v: tuple(model_with_tokenizer(root / v / n, v, seed=s) for s, n in enumerate("ab"))
+        for v in MODERN
+    }
+
+
+@pytest.mark.parametrize("variant", MODERN)
+def test_learned_matching_learns_what_the_family_admits(with_text, tmp_path, variant):
+    a, b = with_text[variant]
+    body = recipe("lmc_dm", [a, b], steps=3, batch_size=2, seq_len=32, evaluate=False)
+    out = tmp_path / "learned"
+    result = run_yaml(body, tmp_path, out)
+    assert result.exit_code == 0, result.output
+    report = yaml.safe_load((out / "lmc_report.json").read_text())
+    assert report["learning"]["steps"] == 3
+    group = symmetry_group(open_model(a).spec)
+    assert report["learning"]["families"] == list(group.learnable)
+    assert torch.isfinite(logits(out, probe_ids())).all()
+
+
+@pytest.mark.parametrize("variant", MODERN)
+def test_size_conversion_and_latent_merging(with_text, tmp_path, variant):
+    a, b = with_text[variant]
+    spec = open_model(a).spec
+    post_norms = spec.post_norms
+    small = dict(
+        num_attention_heads=2, num_key_value_heads=1, head_dim=spec.head_dim, intermediate_size=40
+    )
+    conversion = recipe(
+        "subclone_compensate",
+        [a],
+        **small,
+        compensate=not post_norms,
+        calibration_sequences=32,
+        seq_len=32,
+        evaluate=False,
+    )
+    result = run_yaml(conversion, tmp_path, tmp_path / "small")
+    assert result.exit_code == 0, result.output
+    assert open_model(tmp_path / "small").spec.num_heads == 2
+    assert torch.isfinite(logits(tmp_path / "small", probe_ids())).all()
+    if post_norms:  # the projections write through a norm: no linear compensation
+        conversion["subclone"]["compensate"] = True
+        refused = run_yaml(conversion, tmp_path, tmp_path / "refused")
+        assert refused.exit_code == 1 and "post-norms" in refused.output, refused.output
+        assert len(refused.output.strip().splitlines()) == 1
+    # Latent merge, residuals kept: all weight on one model gives it back exactly.
+    latent = recipe("ls_merge", [a, b], steps=5, width=16, evaluate=False)
+    latent["models"][1]["parameters"]["weight"] = 0.0
+    result = run_yaml(latent, tmp_path, tmp_path / "latent")
+    assert result.exit_code == 0, result.output
+    ids = probe_ids()
+    assert (logits(tmp_path / "latent", ids) - logits(a, ids)).abs().max() < 1e-4
