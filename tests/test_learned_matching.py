@@ -257,6 +257,7 @@ def learned(trained_pair, tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
 def test_learned_matching_lowers_the_barrier_below_weight_matching(learned):
     report = json.loads((learned / "merged" / "lmc_report.json").read_text())
     pair = report["pairs"][0]
@@ -284,6 +285,7 @@ def quiet_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_and_ends_where_an_uninterrupted_one_does(trained_pair, tmp_path):
     recipe = write_recipe(tmp_path, list(trained_pair), steps=150, evaluate=False)
     # Both runs in processes with the same thread count, so that their arithmetic is identical.
@@ -320,6 +322,7 @@ def test_a_killed_run_resumes_and_ends_where_an_uninterrupted_one_does(trained_p
         assert torch.equal(merged[name], tensor), name
 
 
+@pytest.mark.slow
 def test_two_processes_learn_what_one_process_learns(trained_pair, tmp_path):
     recipe = write_recipe(tmp_path, list(trained_pair), steps=20, evaluate=False)
     single = run_yaml(recipe, tmp_path / "one", tmp_path / "cache-one")
@@ -347,6 +350,7 @@ def test_two_processes_learn_what_one_process_learns(trained_pair, tmp_path):
         torch.testing.assert_close(merged[1][name], tensor, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_combine_hands_the_aligned_models_to_another_mergekit_method(learned, trained_pair):
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
@@ -381,6 +385,7 @@ def test_combine_hands_the_aligned_models_to_another_mergekit_method(learned, tr
         torch.testing.assert_close(got[name], tensor, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_three_models_are_learned_into_one_basin(trained_pair, zoo_root, tmp_path):
     from conftest import SMALL_ZOO
 

@@ -278,6 +278,7 @@ def test_transported_source_takes_on_each_target_layer_distribution():
         assert moved[("attn.q", layer)].norm == target[("attn.q", layer)].norm
 
 
+@pytest.mark.slow
 def test_autoencoder_training_resumes_after_a_kill(tmp_path):
     """A training process killed after a checkpoint resumes to the weights of an uninterrupted
     run."""

@@ -190,6 +190,7 @@ def plugin_recipe(workdir: Path, tmp_path: Path, method: str) -> Path:
     return write(tmp_path, "plugin", recipe)
 
 
+@pytest.mark.slow
 def test_plain_mergekit_yaml_refuses_plugin_methods_in_one_line(workdir, tmp_path):
     """The real ``mergekit-yaml`` process, with the plugin imported (mergekit has no plugin
     entry point): one line, no traceback, no output folder."""

@@ -87,6 +87,7 @@ def with_text(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", MODERN)
 def test_learned_matching_learns_what_the_family_admits(with_text, tmp_path, variant):
     a, b = with_text[variant]
@@ -101,6 +102,7 @@ def test_learned_matching_learns_what_the_family_admits(with_text, tmp_path, var
     assert torch.isfinite(logits(out, probe_ids())).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", MODERN)
 def test_size_conversion_and_latent_merging(with_text, tmp_path, variant):
     a, b = with_text[variant]

@@ -10,6 +10,7 @@ import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -72,6 +73,7 @@ def test_the_import_graph_has_no_cycle_and_points_down():
     assert not upward, upward
 
 
+@pytest.mark.slow
 def test_only_the_plugin_touches_mergekit_when_imported():
     code = (
         "import lmc_mergekit, lmc_mergekit.symmetry, lmc_mergekit.matching.align, "

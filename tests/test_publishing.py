@@ -95,6 +95,7 @@ KILLED_RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_run_killed_outright_leaves_no_debris_after_the_next_run(tmp_path):
     a, b = (build_model("llama", tmp_path / name, seed=seed) for seed, name in enumerate("ab"))
     recipe = tmp_path / "recipe.yml"

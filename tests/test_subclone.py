@@ -211,6 +211,29 @@ EXACT_CASES = {
         },
         {},
     ),
+    # Scaled rotary embeddings act per frequency: every other pair keeps its scaled frequency.
+    "llama:llama3": (
+        {"num_attention_heads": 2, "head_dim": 6, "intermediate_size": 40},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama:yarn": (
+        {"num_attention_heads": 2, "head_dim": 6, "intermediate_size": 40},
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     # QK-norm over the whole projection (which then averages over fewer entries: exact up to
     # its eps, made negligible here), post-norms only.
     "olmo2": (
@@ -229,9 +252,12 @@ EXACT_CASES = {
 def test_dropping_dead_structure_keeps_the_function(tmp_path, variant):
     sizes, overrides = EXACT_CASES[variant]
     layers_key = "n_layer" if variant.startswith("gpt2") else "num_hidden_layers"
-    donor_dir = build_model(variant, tmp_path / "raw", **{layers_key: 3, **overrides})
+    family = variant.split(":")[0]
+    donor_dir = build_model(family, tmp_path / "raw", **{layers_key: 3, **overrides})
     view = open_model(donor_dir)
-    target, plan = resolve_target(view.spec, view.adapter, {**sizes, "num_hidden_layers": 2})
+    target, plan = resolve_target(
+        view.spec, view.adapter, {**sizes, "num_hidden_layers": 2}, folder=donor_dir
+    )
     dead = plant_dead_structure(donor_dir, tmp_path / "donor", target, plan)
     conversion, out = convert_exactly(dead, target, plan, tmp_path / "small")
     small = AutoModelForCausalLM.from_pretrained(out)
@@ -243,11 +269,12 @@ def test_dropping_dead_structure_keeps_the_function(tmp_path, variant):
     assert error < 1e-5, f"{variant}: relative logits error {error:.2e}"
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama_gqa_tied"])
+@pytest.mark.parametrize("variant", ["llama", "llama_gqa_tied", "gemma", "qwen3_qk_norm_gqa"])
 def test_dropping_dead_residual_channels_is_exact_with_rescaling_everywhere(tmp_path, variant):
     # With the other channels dead, RMSNorm over the d' live ones of d gives
     # x/rms_S = (x/rms_d)·sqrt(d'/d): `rescale: all` undoes that factor on every reader
-    # (exactly up to the norm's eps, made negligible here).
+    # (exactly up to the norm's eps, made negligible here). Gemma multiplies its embeddings by
+    # sqrt(d) inside the model (the stored ones take sqrt(d/d')) and ties its head.
     donor_dir = build_model(variant, tmp_path / "raw", rms_norm_eps=1e-12)
     view = materialize(open_model(donor_dir))
     dead = list(range(0, 48, 2))  # every other channel
@@ -598,3 +625,24 @@ def test_unconvertible_layouts_are_refused(tmp_path):
     assert target.head_dim == 128  # a head size not tied to the width is kept
     with pytest.raises(LmcError, match="use num_key_value_heads >= 2, a divisor"):
         resolve_target(donor, LlamaAdapter(), {"num_attention_heads": 6, "num_key_value_heads": 1})
+
+
+def test_rotary_types_that_cannot_keep_their_frequencies_keep_the_head_size(model_dirs):
+    view = open_model(model_dirs["gemma3_text"])  # local and global layers: rotary bases each
+    with pytest.raises(LmcError, match="rotary parameters of its own; its head size cannot"):
+        resolve_target(view.spec, view.adapter, {"head_dim": 8}, folder=view.folder)
+    target, _ = resolve_target(
+        view.spec, view.adapter, {"intermediate_size": 40}, folder=view.folder
+    )
+    assert target.head_dim == view.spec.head_dim
+
+
+def test_post_norm_families_convert_without_compensation_only(model_dirs):
+    from lmc_mergekit.subclone.convert import check_convertible
+
+    for variant in ("gemma2_softcap_windows", "gemma3_text", "olmo2"):
+        spec = open_model(model_dirs[variant]).spec
+        with pytest.raises(LmcError, match="post-norms\\); set compensate: false"):
+            check_convertible(spec, ConversionConfig(compensate=True))
+        check_convertible(spec, ConversionConfig(compensate=False))
+    check_convertible(open_model(model_dirs["qwen3_qk_norm_gqa"]).spec, ConversionConfig())
