@@ -19,6 +19,14 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: build_model(name, root / name) for name in VARIANTS}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """Nothing the tests run writes into the user's cache, module fixtures included."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LMC_MERGEKIT_CACHE", str(tmp_path_factory.mktemp("session-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
     """Each test gets its own prepared-input cache."""

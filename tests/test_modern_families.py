@@ -100,6 +100,11 @@ def test_learned_matching_learns_what_the_family_admits(with_text, tmp_path, var
     group = symmetry_group(open_model(a).spec)
     assert report["learning"]["families"] == list(group.learnable)
     assert torch.isfinite(logits(out, probe_ids())).all()
+    if "residual" not in group.learnable:  # asking for it alone learns nothing: refused
+        body["alignment"]["learn"] = ["residual"]
+        refused = run_yaml(body, tmp_path, tmp_path / "refused")
+        assert refused.exit_code == 1 and "admits none" in refused.output, refused.output
+        assert len(refused.output.strip().splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from lmc_mergekit.symmetry.sampling import random_orthogonal, random_rope_maps
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
+
 ATOL = 5e-5  # fp32: measured errors are ~5e-6 on logits of magnitude ~4
 
 KINDS = ("absorb", "rotation", "scale", "head_perm", "ffn_perm", "qk", "ov", "all")

@@ -34,6 +34,7 @@ from lmc_mergekit.models.view import InMemoryView
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.resumable import load_state, save_state
 from lmc_mergekit.runtime.schedule import warmup_cosine
+from lmc_mergekit.symmetry.group import symmetry_group
 from lmc_mergekit.symmetry.parametrize import FAMILIES, LearnedSymmetry, Parametrization
 from lmc_mergekit.symmetry.transform import Transform
 
@@ -150,7 +151,12 @@ def learn_symmetries(
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
     if not params:
-        raise LmcError("alignment learns nothing: every symmetry family is switched off")
+        admitted = symmetry_group(spec).learnable
+        raise LmcError(
+            f"alignment learns nothing: of the families asked for ({', '.join(config.families)}) "
+            f"the {spec.architecture} model admits none as a continuous symmetry (it admits "
+            f"{', '.join(admitted)}); change learn: or set steps: 0"
+        )
     for param in params:  # every process reduces the same gradient list, even after a failure
         param.grad = torch.zeros_like(param)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
