@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from step_timing import time_step
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.matching.align import AlignConfig, functional_model, match_all, moved
@@ -34,7 +34,6 @@ from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.symmetry.parametrize import FAMILIES
 from lmc_mergekit.zoo import build_zoo
 
@@ -210,43 +209,9 @@ def cmd_step(args) -> None:
 
 def cmd_step_worker(args) -> None:
     """One process, one kind of step: median seconds and the process's peak RSS."""
-    from lmc_mergekit.evaluation.selfcheck import load_fp32
-    from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
-
     folders = build_zoo(args.zoo, args.arch[0], args.hidden, args.layers, (0, 1), args.zoo_steps)
     batch = torch.randint(0, 4096, (16, 128), generator=torch.Generator().manual_seed(0))
-    if args.mode == "train":
-        model = load_fp32(folders[0]).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step():
-            optimizer.zero_grad()
-            model(input_ids=batch, labels=batch).loss.backward()
-            optimizer.step()
-    else:
-        views = [open_model(f) for f in folders]
-        ends = moved(views, [Transform(views[0].spec.num_layers, absorb_norms=True)] * 2)
-        model = functional_model(views[0], ends[0].spec, torch.device("cpu"))
-        objective = InterpolationObjective(
-            ends, [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)], model
-        )
-        optimizer = torch.optim.AdamW(objective.symmetries.parameters(), lr=1e-4)
-        weights = torch.tensor([0.5, 0.5])
-
-        def step():
-            optimizer.zero_grad()
-            objective(weights, batch).backward()
-            optimizer.step()
-
-    for _ in range(3):
-        step()
-    samples = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": sorted(samples)[len(samples) // 2], "peak_mib": peak}))
+    print(json.dumps(time_step(args.mode, folders, batch, args.repeats)))
 
 
 def cmd_three(args) -> None:

@@ -25,6 +25,38 @@ from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.pipeline import run_recipe_file
 from lmc_mergekit.zoo import build_zoo
 
+HEADER = (
+    "| pair | endpoint losses | raw barrier | weight matching | learned matching | removed "
+    "| merged loss | learned families | learning | whole command |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def pair_row(label: str, a: Path, b: Path, steps: int, work: Path, options: MergeOptions) -> str:
+    """The table row of an ``lmc_dm`` recipe (``steps`` of learned matching) on ``a`` and
+    ``b``, run through the pipeline into ``work``."""
+    recipe = {
+        "merge_method": "lmc_dm",
+        "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)],
+        "dtype": "float32",
+        "alignment": {"steps": steps},
+    }
+    path = work / f"{label}.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    started = time.perf_counter()
+    out = run_recipe_file(path, work / label, options, work / "cache")
+    seconds = time.perf_counter() - started
+    report = AlignmentReport.read(out / AlignmentReport.file_name)
+    pair, learning = report.pairs[0], report.learning
+    raw, matched, learned = (p.barrier for p in (pair.raw, pair.matched, pair.learned))
+    return (
+        f"| {label} | "
+        + " / ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
+        + f" | {raw:.3f} | {matched:.3f} | **{learned:.3f}** | {1 - learned / raw:.1%} | "
+        f"{report.merged.test_loss:.3f} | {', '.join(learning.families)} | "
+        f"{learning.seconds:.0f} s | {seconds / 60:.1f} min |"
+    )
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,35 +68,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="learned-matching steps")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lmc-dm-bench-"))
-    print(
-        "| pair | endpoint losses | raw barrier | weight matching | learned matching | removed "
-        "| merged loss | learned families | learning | whole command |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
-    )
+    print(HEADER)
     for arch in args.arch:
         a, b = build_zoo(args.zoo, arch, args.hidden, args.layers, (0, 1), args.zoo_steps)
-        recipe = {
-            "merge_method": "lmc_dm",
-            "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)],
-            "dtype": "float32",
-            "alignment": {"steps": args.steps},
-        }
-        path = work / f"{arch}.yml"
-        path.write_text(yaml.safe_dump(recipe))
-        started = time.perf_counter()
-        out = run_recipe_file(path, work / arch, MergeOptions(quiet=True), work / "cache")
-        seconds = time.perf_counter() - started
-        report = AlignmentReport.read(out / AlignmentReport.file_name)
-        pair, learning = report.pairs[0], report.learning
-        raw, matched, learned = (p.barrier for p in (pair.raw, pair.matched, pair.learned))
-        print(
-            f"| {arch} d={args.hidden} | "
-            + " / ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
-            + f" | {raw:.3f} | {matched:.3f} | **{learned:.3f}** | {1 - learned / raw:.1%} | "
-            f"{report.merged.test_loss:.3f} | {', '.join(learning.families)} | "
-            f"{learning.seconds:.0f} s | {seconds / 60:.1f} min |",
-            flush=True,
-        )
+        row = pair_row(f"{arch} d={args.hidden}", a, b, args.steps, work, MergeOptions(quiet=True))
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

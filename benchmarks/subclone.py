@@ -4,10 +4,11 @@
                                         [--steps 150] [--lr 2e-3]
     python benchmarks/subclone.py cost  [--zoo DIR] [--arch gpt_neox llama]
 
-The donors are zoo models of d=256, 4 layers, 8 heads of 32 dims (built when missing: about
-10 minutes each on two CPU cores). Axes: ``width`` (d 256→128 with 8 heads of 16 dims, MLP
-halved), ``heads`` (d 256→128 with 4 heads of 32 dims, MLP halved), ``depth`` (4→2 layers) and
-``all`` (d 128, 2 layers, 4 heads, MLP halved). ``table``: the test loss of each arm zero-shot
+The donors are zoo models of d=256 (``--donor-hidden``), 4 layers, heads of 32 dims, trained
+1000 steps (``--donor-steps``; built when missing: about 10 minutes each on two CPU cores).
+Axes halve sizes of the donor: ``width`` (d 256→128 with 8 heads of 16 dims, MLP halved),
+``heads`` (d 256→128 with 4 heads of 32 dims, MLP halved), ``depth`` (4→2 layers) and ``all``
+(d 128, 2 layers, 4 heads, MLP halved). ``table``: the test loss of each arm zero-shot
 and after ``--early`` and ``--steps`` steps of the same continued training (same data order,
 AdamW, learning rate and schedule), next to a randomly initialised model of the target shape
 trained alike (from scratch); the compensated arm of the first axis is trained a second time
@@ -42,17 +43,18 @@ from lmc_mergekit.subclone.target import resolve_target
 from lmc_mergekit.zoo import build_zoo_model
 from lmc_mergekit.zoo.train import continue_training
 
-DONOR = {"hidden": 256, "layers": 4, "steps": 1000, "seed": 0}
+# Each axis halves these sizes of the donor (recipe key: the donor spec's field).
+HALVED = {
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_heads",
+    "num_hidden_layers": "num_layers",
+    "intermediate_size": "intermediate_size",
+}
 AXES = {
-    "width": {"hidden_size": 128, "intermediate_size": None},
-    "heads": {"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": None},
-    "depth": {"num_hidden_layers": 2},
-    "all": {
-        "hidden_size": 128,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "intermediate_size": None,
-    },
+    "width": ("hidden_size", "intermediate_size"),
+    "heads": ("hidden_size", "num_attention_heads", "intermediate_size"),
+    "depth": ("num_hidden_layers",),
+    "all": tuple(HALVED),
 }
 ARMS = {
     "plain subclone": ConversionConfig(compensate=False, rescale="none"),
@@ -68,17 +70,18 @@ CALIBRATION = 256
 
 
 def sizes_for(axis: str, donor) -> dict:
-    """The recipe's size keys of an axis (None MLP width: half the donor's)."""
-    sizes = dict(AXES[axis])
-    if "intermediate_size" in sizes:
-        sizes["intermediate_size"] = donor.intermediate_size // 2
-    return sizes
+    """The recipe's size keys of an axis: half the donor's."""
+    return {key: getattr(donor, HALVED[key]) // 2 for key in AXES[axis]}
+
+
+def donor_settings(args) -> dict:
+    return {"hidden": args.donor_hidden, "layers": 4, "steps": args.donor_steps, "seed": 0}
 
 
 def table(args) -> None:
     results = {}
     for arch in args.arch:
-        donor_dir = build_zoo_model(args.zoo, arch, **DONOR)
+        donor_dir = build_zoo_model(args.zoo, arch, **donor_settings(args))
         view = open_model(donor_dir)
         tokenizer = load_tokenizer([donor_dir])
         data = DataConfig()
@@ -175,7 +178,7 @@ def cost(args) -> None:
     print("| donor | calibration | forward: s / peak MiB | conversion: s / peak MiB | ratio |")
     print("|---|---|---|---|---|")
     for arch in args.arch:
-        donor_dir = build_zoo_model(args.zoo, arch, **DONOR)
+        donor_dir = build_zoo_model(args.zoo, arch, **donor_settings(args))
         measured = {}
         for what in ("forward", "convert"):
             out = subprocess.run(
@@ -225,6 +228,8 @@ def main() -> None:
         p = sub.add_parser(name)
         p.add_argument("--zoo", type=Path, default=default_cache_dir() / "zoo")
         p.add_argument("--arch", nargs="+", default=["gpt_neox", "llama"])
+        p.add_argument("--donor-hidden", type=int, default=256, help="donor width (zoo)")
+        p.add_argument("--donor-steps", type=int, default=1000, help="donor training steps")
         if name == "table":
             p.add_argument("--axes", nargs="+", default=list(AXES), choices=list(AXES))
             p.add_argument("--steps", type=int, default=150, help="continued-training steps")

@@ -25,9 +25,10 @@ def transform_checkpoint(
 ) -> tuple[ModelSpec, float]:
     """Write ``source`` moved by ``transform`` to ``out`` as a stock checkpoint.
 
-    The result is written shard by shard into a staging folder, reloaded through
-    ``transformers`` and compared with the source (see :mod:`lmc_mergekit.evaluation.selfcheck`);
-    only then is it renamed to ``out``. Returns the written spec and the measured logits error.
+    The result is written shard by shard into a staging folder and run against the source, block
+    by block through stock ``transformers`` modules, after ``transformers`` has checked that it
+    would load it (see :mod:`lmc_mergekit.evaluation.selfcheck`); only then is it renamed to
+    ``out``. Returns the written spec and the measured logits error.
     """
     view = open_model(source, trust_remote_code)
     moved = apply_transform(view, transform)

@@ -7,7 +7,7 @@ import torch
 from tiny_models import VARIANTS, probe_ids
 
 from lmc_mergekit.evaluation.barrier import interpolation_losses
-from lmc_mergekit.matching import match_weights
+from lmc_mergekit.matching import match_weights, weight_matching
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.view import iter_tensors, materialize
@@ -85,3 +85,16 @@ def test_rope_maps_commute_with_rope_and_recover_a_hidden_rope_map(rotary_dims):
     fitted = fit_rope_maps(xa, ya, xc, ya.flip(-1), rotary_dims)
     assert rope_commutation_error(fitted, rotary_dims) < 1e-12
     assert torch.linalg.matrix_rank(fitted).min() == 8
+
+
+def test_steady_layers_are_not_solved_again_and_that_costs_nothing(trained_pair, monkeypatch):
+    """Keeping a layer's assignment while the rotation barely moves must not change the result
+    the full descent reaches; the first round assigns every layer."""
+    a, b = (open_model(folder) for folder in trained_pair)
+    fast = match_weights(a, b)
+    monkeypatch.setattr(weight_matching, "STEADY_ROTATION", 0.0)  # solve every layer, always
+    full = match_weights(a, b)
+    layers = a.spec.num_layers
+    assert fast.solved[0] == layers and all(n == layers for n in full.solved)
+    assert fast.distance < fast.distances[0]
+    assert abs(fast.distance - full.distance) <= 1e-3 * full.distance

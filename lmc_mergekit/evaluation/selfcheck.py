@@ -1,10 +1,15 @@
 """The self-check: a transformed checkpoint must compute the same logits as its source.
 
-Both folders are loaded through ``transformers`` in float32 and run on one probe batch (bundled
-text through the model's own tokenizer, or fixed random token ids when there is no tokenizer).
-The measured error is ``max|Δlogits| / max(1, max|logits|)``; it must not exceed the tolerance
-for the checkpoint's storage dtype (:data:`TOLERANCES`), since rounding the transformed weights
-back to that dtype is the only expected source of error.
+Both folders run in float32 on one probe batch (bundled text through the model's own
+tokenizer, or fixed random token ids when there is no tokenizer). Where the family can be run
+block by block (:class:`~lmc_mergekit.models.block_runner.BlockRunner`: each block through a
+one-layer stock ``transformers`` module built from the folder's own config.json), it is, so
+that only one block of one model is in memory at a time; the written tensors' names and shapes
+are then checked against the ``transformers`` model of that config (built on the meta device),
+which is what loading it would check. Otherwise both models are loaded whole through
+``transformers``. The measured error is ``max|Δlogits| / max(1, max|logits|)``; it must not
+exceed the tolerance for the checkpoint's storage dtype (:data:`TOLERANCES`), since rounding the
+transformed weights back to that dtype is the only expected source of error.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.checkpoint import read_config
 
 TOLERANCES = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 PROBE_SHAPE = (2, 48)
@@ -55,14 +63,49 @@ def load_fp32(folder: Path, trust_remote_code: bool = False) -> torch.nn.Module:
 
 
 @torch.no_grad()
+def checkpoint_logits(
+    folder: Path, input_ids: torch.Tensor, trust_remote_code: bool = False
+) -> torch.Tensor:
+    """The float32 logits of the checkpoint in ``folder`` on ``input_ids``: block by block
+    where the family allows it (after checking the stored layout), else through the whole
+    ``transformers`` model."""
+    view = open_model(folder, trust_remote_code)
+    adapter = view.adapter
+    if not adapter.block_modules or adapter.blockwise_problem(read_config(view.folder)):
+        return load_fp32(view.folder, trust_remote_code)(input_ids).logits
+    problem = layout_problem(view.folder, trust_remote_code)
+    if problem is not None:
+        raise LmcError(f"self-check failed: {problem}; nothing was written")
+    runner = BlockRunner(view.folder, adapter, view.spec, torch.device("cpu"), trust_remote_code)
+    return runner.logits(view, input_ids)
+
+
+def layout_problem(folder: Path, trust_remote_code: bool = False) -> str | None:
+    """What ``transformers`` would refuse or leave unloaded in the checkpoint ``folder`` (a
+    tensor its model does not have, has in another shape, or needs and does not find), found by
+    loading it onto the meta device (no weights are read). None when it loads cleanly."""
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            device_map="meta",
+            output_loading_info=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError, RuntimeError) as error:
+        return f"transformers cannot load {folder.name} ({str(error).splitlines()[0]})"
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        if info.get(kind):
+            names = sorted(str(name) for name in info[kind])
+            return f"transformers finds {kind.replace('_', ' ')} in {folder.name}: {names[:3]}"
+    return None
+
+
+@torch.no_grad()
 def logits_error(source: Path, candidate: Path, trust_remote_code: bool = False) -> float:
     """The relative logits error of ``candidate`` against ``source`` on the probe batch."""
-    reference = load_fp32(source, trust_remote_code)
-    ids = probe_batch(source, reference.config.vocab_size)
-    expected = reference(ids).logits
-    del reference
-    actual = load_fp32(candidate, trust_remote_code)(ids).logits
-    return relative_logits_error(actual, expected)
+    ids = probe_batch(source, open_model(source, trust_remote_code).spec.vocab_size)
+    expected = checkpoint_logits(source, ids, trust_remote_code)
+    return relative_logits_error(checkpoint_logits(candidate, ids, trust_remote_code), expected)
 
 
 def relative_logits_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

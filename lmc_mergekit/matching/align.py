@@ -71,7 +71,7 @@ def align(
     processes = processes or Processes()
     started = time.perf_counter()
     keep = state_dir if config.learning is not None and processes.is_main else None
-    matched, matching = match_all(views, config, state_dir, keep, progress)
+    matched, matching = match_all(views, config, state_dir, keep, progress, device)
     alignment = Alignment(matched, matched, matching)
     alignment.seconds["matching"] = time.perf_counter() - started
     if config.learning is None:
@@ -101,9 +101,11 @@ def match_all(
     reuse_from: Path | None = None,
     keep_in: Path | None = None,
     progress: bool = False,
+    device: torch.device | str = "cpu",
 ) -> tuple[list[Transform], list[dict]]:
     """Every model's transform onto the first (the first's absorbs its norms) and a record per
-    other model; a transform saved in ``reuse_from`` is reused, a new one saved in ``keep_in``."""
+    other model; a transform saved in ``reuse_from`` is reused, a new one saved in ``keep_in``
+    (weight matching's heavy products run on ``device``)."""
     absorb = config.matching != "none"
     transforms = [Transform(views[0].spec.num_layers, absorb_norms=absorb)]
     records = []
@@ -117,7 +119,7 @@ def match_all(
             records.append({"model": str(view.folder), "reused": str(saved)})
             continue
         result = match_weights(
-            views[0], view, max_iterations=config.max_iterations, progress=progress
+            views[0], view, max_iterations=config.max_iterations, device=device, progress=progress
         )
         transforms.append(result.transform)
         if keep_in is not None:
@@ -127,6 +129,7 @@ def match_all(
             {
                 "model": str(view.folder),
                 "iterations": result.iterations,
+                "layers_solved": list(result.solved),
                 "seconds": round(result.seconds, 3),
                 "relative_distance": {"before": result.distances[0], "after": result.distance},
             }

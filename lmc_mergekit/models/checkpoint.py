@@ -147,6 +147,9 @@ class CheckpointReader:
                 return None
             raise LmcError(f"{self.folder} lacks tensor {name!r}; is the checkpoint complete?")
         tensor = self._loader.get_tensor(name)
+        # Closing the shard unmaps it: pages of a kept mapping count as this process's memory,
+        # and would add up to the whole checkpoint over a pass.
+        self._loader.flush()
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
             raise LmcError(

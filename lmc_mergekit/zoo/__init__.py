@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from lmc_mergekit.data.sequences import DataConfig
@@ -88,11 +89,13 @@ def build_zoo_model(
     batch_size: int = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
     warmup: int = DEFAULT_WARMUP,
+    device: str | torch.device = "cpu",
 ) -> Path:
     """The folder ``root/<name>`` of a zoo model trained from scratch with these settings on
     ``data_source`` (``None``: the bundled corpus); trained and saved only if no finished one
     is there. The tokenizer is trained once per text and vocabulary size and cached under
-    ``root/.tokenizers``."""
+    ``root/.tokenizers``. Training is bitwise reproducible on one device (the CPU by default:
+    a model trained on a GPU is a different model under the same name)."""
     check_architecture(arch, hidden, layers)
     root = Path(root).expanduser().absolute()
     source = None if data_source is None else str(data_source)
@@ -136,8 +139,9 @@ def build_zoo_model(
             lr=lr,
             warmup=warmup,
             progress=progress,
+            device=device,
         )
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.to("cpu").save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         info = _zoo_info(name, arch, config, data, fingerprint, record)
         (tmp / ZOO_INFO).write_text(json.dumps(info, indent=2) + "\n")

@@ -19,8 +19,9 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
 from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView, Norm
 
-# Prepared checkpoints are written in 1 GiB shards: the writer buffers one shard in memory.
-DEFAULT_SHARD_SIZE = 1024**3
+# Prepared checkpoints are written in shards of 256 MiB: the writer holds one shard and, while
+# it writes it, a serialised copy, so this is the memory writing needs beyond one block.
+DEFAULT_SHARD_SIZE = 256 * 1024**2
 # Rotary settings as config.json stored them before transformers 5's ``rope_parameters``.
 # (transformers 5 reads ``rope_scaling`` in preference to ``rope_parameters``, so it must go too.)
 LEGACY_ROPE_KEYS = (

@@ -1,0 +1,287 @@
+"""Time and peak memory of every pass at the shapes users merge, as ratios to one model.
+
+    python benchmarks/scale.py [--shapes d256 160m 410m 1b llama-gqa]
+        [--passes lmc_dm subclone ls_merge learn] [--work DIR]
+
+Builds (once, under ``--work``) a pair of random-initialised checkpoints per shape: GPT-NeoX of
+Pythia shapes (d=256 ×4 layers, 160M, 410M, 1B; vocabulary 4096, the zoo's tokenizer) and one
+Llama shape with GQA. Each pass then runs as a recipe through the whole tool
+(``lmc-mergekit-yaml``'s pipeline, ``evaluate: false``, a fresh cache), alone in a fresh
+process: its peak RSS when the pre-merge pass ends, and the process's peak over the whole
+recipe read from ``wait4`` (what ``/usr/bin/time -v`` reports), which includes mergekit's own
+merge of the prepared inputs (mergekit holds one output shard, ``--out-shard-size``, and its
+serialised copy):
+
+- ``lmc_dm``: ``steps: 0`` (weight matching, writing both inputs, the self-check, the merge);
+  also the seconds per weight-matching round and of writing + self-check;
+- ``subclone``: ``subclone_compensate`` to half the width and MLP (compensation on);
+- ``ls_merge``: encoding both inputs with an autoencoder trained for ``--ae-steps`` steps
+  (the encoding is what scales with the model; the autoencoder does not);
+- ``learn``: one learned-matching step (dual, every family) next to one plain training step
+  (forward, backward, AdamW) of one model at the same batch, in one process each.
+
+Memory is given as a multiple of one model's fp32 size; the learned step as a multiple of the
+plain step measured in the same run (the machine is noisy, ratios less so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+SHAPES: dict[str, tuple[str, dict]] = {
+    "d256": ("gpt_neox", {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8}),
+    "160m": ("gpt_neox", {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12}),
+    "410m": (
+        "gpt_neox",
+        {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16},
+    ),
+    "1b": ("gpt_neox", {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 8}),
+    "llama-gqa": (
+        "llama",
+        {
+            "hidden_size": 1024,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "intermediate_size": 2816,
+        },
+    ),
+}
+PASSES = ("lmc_dm", "subclone", "ls_merge", "learn")
+VOCAB = 4096
+SEQ_LEN = 128
+
+
+def build_pair(shape: str, work: Path) -> tuple[Path, Path, int]:
+    """Two random-initialised checkpoints of ``shape`` (seeds 0 and 1) and their parameter
+    count; built once."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig
+
+    from lmc_mergekit.runtime.publish import staged_folder
+    from lmc_mergekit.zoo.tokenizer import cached_tokenizer
+
+    arch, sizes = SHAPES[shape]
+    tokenizer = cached_tokenizer(work)
+    folders = []
+    for seed in (0, 1):
+        folder = work / f"{shape}-seed{seed}"
+        folders.append(folder)
+        if (folder / "config.json").is_file():
+            continue
+        common = dict(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=False)
+        if arch == "gpt_neox":
+            config = GPTNeoXConfig(
+                **common, **sizes, intermediate_size=4 * sizes["hidden_size"], rotary_pct=0.25
+            )
+        else:
+            config = LlamaConfig(**common, **sizes)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with staged_folder(folder, "replace") as staging:
+            model.save_pretrained(staging, max_shard_size="2GB")
+            for name in os.listdir(tokenizer):
+                (staging / name).write_bytes((tokenizer / name).read_bytes())
+        del model
+    config = json.loads((folders[0] / "config.json").read_text())
+    with torch.device("meta"):
+        from transformers import AutoConfig
+
+        meta = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    params = sum(p.numel() for p in meta.parameters())
+    return folders[0], folders[1], params
+
+
+def recipe(kind: str, a: Path, b: Path, args) -> dict:
+    """The recipe the pass ``kind`` runs."""
+    both = [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)]
+    if kind == "lmc_dm":
+        return {
+            "merge_method": "lmc_dm",
+            "models": both,
+            "dtype": "float32",
+            "alignment": {"steps": 0, "evaluate": False},
+        }
+    if kind == "subclone":
+        config = json.loads((a / "config.json").read_text())
+        half = config["hidden_size"] // 2
+        return {
+            "merge_method": "subclone_compensate",
+            "models": [{"model": str(a)}],
+            "dtype": "float32",
+            "subclone": {
+                "hidden_size": half,
+                "intermediate_size": config["intermediate_size"] // 2,
+                "evaluate": False,
+                "calibration_sequences": 64,
+            },
+        }
+    return {
+        "merge_method": "ls_merge",
+        "models": both,
+        "dtype": "float32",
+        "latent": {"steps": args.ae_steps, "evaluate": False, "noise_floor": False},
+    }
+
+
+def run_measured(command: list[str]) -> tuple[float, float, str]:
+    """Seconds, peak RSS (bytes) and output of ``command`` run alone in a fresh process."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = process.stdout.read().decode(errors="replace")
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{output[-3000:]}")
+    return seconds, usage.ru_maxrss * 1024, output
+
+
+def measure_pass(kind: str, a: Path, b: Path, fp32: int, work: Path, args) -> dict:
+    """One pass through the pipeline of ``lmc-mergekit-yaml`` in a fresh process with a fresh
+    cache: the pre-merge pass first (its peak is read when it ends), then the whole recipe
+    (mergekit's merge of the prepared inputs; the pass is reused from the cache)."""
+    run = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
+    path = run / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe(kind, a, b, args)))
+    command = [sys.executable, __file__, "pass-worker", str(path), str(run)]
+    seconds, rss, output = run_measured(command + (["--cuda"] if args.cuda else []))
+    row = json.loads(output.strip().splitlines()[-1])
+    row.update(seconds=seconds, rss=rss, ratio=rss / fp32, pass_ratio=row["pass_rss"] / fp32)
+    row["work_ratio"] = (row["pass_rss"] - row.get("base_rss", 0)) / fp32
+    if kind == "lmc_dm":
+        report = json.loads((run / "out" / "lmc_report.json").read_text())
+        match = report["matching"][0]
+        row["rounds"] = match["iterations"]
+        row["per_round"] = match["seconds"] / match["iterations"]
+        row["write_check"] = report["seconds"].get("writing_and_self_check")
+    shutil.rmtree(run / "cache", ignore_errors=True)
+    return row
+
+
+def pass_worker(args) -> None:
+    """Prepare, note the peak, then run the whole recipe (printed as JSON, last)."""
+    from mergekit.options import MergeOptions
+
+    from lmc_mergekit.plugin.pipeline import prepare, run_recipe_file
+    from lmc_mergekit.plugin.recipe import read_recipe
+    from lmc_mergekit.runtime.distributed import Processes
+
+    options, cache = MergeOptions(quiet=True, cuda=args.cuda), args.run / "cache"
+    recipe = read_recipe(args.recipe)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the libraries
+    started = time.perf_counter()
+    prepare(recipe.method, recipe.settings, recipe.config, options, cache, Processes())
+    prepared = time.perf_counter() - started
+    pass_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    run_recipe_file(args.recipe, args.run / "out", options, cache)
+    row = {"pass_seconds": prepared, "pass_rss": pass_rss, "base_rss": base_rss}
+    if args.cuda:
+        row["gpu_peak"] = torch.cuda.max_memory_allocated()
+    print(json.dumps(row))
+
+
+def measure_learn(a: Path, b: Path, args) -> dict:
+    """One learned-matching step and one plain training step, each in its own process."""
+    out = {}
+    for what in ("train", "align"):
+        command = [sys.executable, __file__, "step-worker", what, str(a), str(b)]
+        command += ["--batch", str(args.batch), "--device", "cuda" if args.cuda else "cpu"]
+        _, rss, output = run_measured(command)
+        out[what] = (json.loads(output.strip().splitlines()[-1])["seconds"], rss)
+    return out
+
+
+def step_worker(args) -> None:
+    """Median seconds of one step of one kind (printed as JSON, last)."""
+    from step_timing import time_step
+
+    batch = torch.randint(
+        0, VOCAB, (args.batch, SEQ_LEN), generator=torch.Generator().manual_seed(0)
+    )
+    folders = [Path(args.a), Path(args.b)]
+    print(json.dumps(time_step(args.what, folders, batch, 3, 1, args.device)))
+
+
+def gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    table = sub.add_parser("table")
+    table.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    table.add_argument("--passes", nargs="+", default=list(PASSES), choices=list(PASSES))
+    table.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lmc-scale")
+    table.add_argument("--ae-steps", type=int, default=50, help="autoencoder training steps")
+    table.add_argument("--batch", type=int, default=4, help="sequences per step (learn)")
+    table.add_argument("--cuda", action="store_true", help="run every pass on the GPU")
+    passes = sub.add_parser("pass-worker")
+    passes.add_argument("recipe", type=Path)
+    passes.add_argument("run", type=Path)
+    passes.add_argument("--cuda", action="store_true")
+    worker = sub.add_parser("step-worker")
+    worker.add_argument("what", choices=["train", "align"])
+    worker.add_argument("a")
+    worker.add_argument("b")
+    worker.add_argument("--batch", type=int, default=4)
+    worker.add_argument("--device", default="cpu")
+    args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 else ["table"])
+    if args.command == "step-worker":
+        step_worker(args)
+        return
+    if args.command == "pass-worker":
+        pass_worker(args)
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    print(
+        "| shape | parameters | one model fp32 | pass | seconds: whole (pass) | peak RSS of "
+        "the pass | ratio | above the libraries' own | whole command (with mergekit's merge) "
+        "| detail |\n|---|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+    for shape in args.shapes:
+        a, b, params = build_pair(shape, args.work)
+        fp32 = params * 4
+        head = f"| {shape} | {params / 1e6:.0f} M | {gib(fp32)} "
+        for kind in args.passes:
+            if kind == "learn":
+                steps = measure_learn(a, b, args)
+                (train, train_rss), (align, align_rss) = steps["train"], steps["align"]
+                print(
+                    f"{head}| learned step (batch {args.batch}×{SEQ_LEN}) | {align:.2f} s "
+                    f"({align / train:.1f}× a plain step: {train:.2f} s) | {gib(align_rss)} | "
+                    f"**{align_rss / fp32:.2f}×** | | plain step: {gib(train_rss)} "
+                    f"({train_rss / fp32:.2f}×) | |",
+                    flush=True,
+                )
+                continue
+            row = measure_pass(kind, a, b, fp32, args.work, args)
+            detail = ""
+            if kind == "lmc_dm":
+                detail = (
+                    f"{row['rounds']} rounds, {row['per_round']:.1f} s each; write + "
+                    f"self-check {row['write_check']:.1f} s"
+                )
+            print(
+                f"{head}| {kind} | {row['seconds']:.0f} s ({row['pass_seconds']:.0f} s) | "
+                f"{gib(row['pass_rss'])} | **{row['pass_ratio']:.2f}×** | "
+                f"{row['work_ratio']:.2f}× ({gib(row['base_rss'])} before any work) | "
+                f"{gib(row['rss'])} ({row['ratio']:.2f}×) | {detail} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

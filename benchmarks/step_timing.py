@@ -1,0 +1,76 @@
+"""One plain training step against one learned-matching step, timed in the calling process.
+
+Shared by ``learned_matching.py step`` and ``scale.py``: each runs :func:`time_step` in a fresh
+process per kind, so that each process's peak RSS belongs to one kind of step.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.matching.align import functional_model, moved
+from lmc_mergekit.matching.interpolation import InterpolationObjective
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.symmetry import Transform
+from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
+
+
+def time_step(
+    mode: str,
+    folders: list[Path],
+    batch: torch.Tensor,
+    repeats: int = 10,
+    warmup: int = 3,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Median seconds of one step and this process's peak RSS (MiB). ``train``: forward,
+    backward and AdamW of the first model on ``batch``; ``align``: the same for the symmetries
+    of both models (dual, every family) through the interpolated model at λ = 0.5. On a GPU
+    both run under bf16 autocast, as learned matching does there."""
+    device = torch.device(device)
+    batch = batch.to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    if mode == "train":
+        model = load_fp32(folders[0]).to(device).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            optimizer.zero_grad()
+            with autocast:
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+    else:
+        views = [open_model(f) for f in folders]
+        ends = moved(views, [Transform(views[0].spec.num_layers, absorb_norms=True)] * 2)
+        model = functional_model(views[0], ends[0].spec, device)
+        objective = InterpolationObjective(
+            ends, [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)], model
+        )
+        objective.symmetries.to(device)
+        optimizer = torch.optim.AdamW(objective.symmetries.parameters(), lr=1e-4)
+        weights = torch.tensor([0.5, 0.5], device=device)
+
+        def step():
+            optimizer.zero_grad()
+            with autocast:
+                loss = objective(weights, batch)
+            loss.backward()
+            optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": sorted(samples)[len(samples) // 2], "peak_mib": peak}
