@@ -66,7 +66,25 @@ SEQ_LEN = 128
 
 def build_pair(shape: str, work: Path) -> tuple[Path, Path, int]:
     """Two random-initialised checkpoints of ``shape`` (seeds 0 and 1) and their parameter
-    count; built once."""
+    count; built once, in a child process: a process's peak RSS is inherited by the processes
+    it starts, so the measuring process must never hold a model."""
+    folders = [work / f"{shape}-seed{seed}" for seed in (0, 1)]
+    if not all((folder / "config.json").is_file() for folder in folders):
+        subprocess.run([sys.executable, __file__, "build-worker", shape, str(work)], check=True)
+    return folders[0], folders[1], parameter_count(folders[0])
+
+
+def parameter_count(folder: Path) -> int:
+    """The parameters of the checkpoint in ``folder`` (from its config, nothing loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_worker(shape: str, work: Path) -> None:
+    """Build the pair of ``shape`` under ``work``."""
     from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig
 
     from lmc_mergekit.runtime.publish import staged_folder
@@ -74,10 +92,8 @@ def build_pair(shape: str, work: Path) -> tuple[Path, Path, int]:
 
     arch, sizes = SHAPES[shape]
     tokenizer = cached_tokenizer(work)
-    folders = []
     for seed in (0, 1):
         folder = work / f"{shape}-seed{seed}"
-        folders.append(folder)
         if (folder / "config.json").is_file():
             continue
         common = dict(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -94,13 +110,6 @@ def build_pair(shape: str, work: Path) -> tuple[Path, Path, int]:
             for name in os.listdir(tokenizer):
                 (staging / name).write_bytes((tokenizer / name).read_bytes())
         del model
-    config = json.loads((folders[0] / "config.json").read_text())
-    with torch.device("meta"):
-        from transformers import AutoConfig
-
-        meta = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    params = sum(p.numel() for p in meta.parameters())
-    return folders[0], folders[1], params
 
 
 def recipe(kind: str, a: Path, b: Path, args) -> dict:
@@ -227,6 +236,9 @@ def main() -> None:
     table.add_argument("--ae-steps", type=int, default=50, help="autoencoder training steps")
     table.add_argument("--batch", type=int, default=4, help="sequences per step (learn)")
     table.add_argument("--cuda", action="store_true", help="run every pass on the GPU")
+    builder = sub.add_parser("build-worker")
+    builder.add_argument("shape", choices=list(SHAPES))
+    builder.add_argument("work", type=Path)
     passes = sub.add_parser("pass-worker")
     passes.add_argument("recipe", type=Path)
     passes.add_argument("run", type=Path)
@@ -243,6 +255,9 @@ def main() -> None:
         return
     if args.command == "pass-worker":
         pass_worker(args)
+        return
+    if args.command == "build-worker":
+        build_worker(args.shape, args.work)
         return
     args.work.mkdir(parents=True, exist_ok=True)
     print(
