@@ -69,7 +69,10 @@ def checkpoint_logits(
     """The float32 logits of the checkpoint in ``folder`` on ``input_ids``: block by block
     where the family allows it (after checking the stored layout), else through the whole
     ``transformers`` model."""
-    view = open_model(folder, trust_remote_code)
+    return _view_logits(open_model(folder, trust_remote_code), input_ids, trust_remote_code)
+
+
+def _view_logits(view, input_ids: torch.Tensor, trust_remote_code: bool) -> torch.Tensor:
     adapter = view.adapter
     if not adapter.block_modules or adapter.blockwise_problem(read_config(view.folder)):
         return load_fp32(view.folder, trust_remote_code)(input_ids).logits
@@ -103,8 +106,9 @@ def layout_problem(folder: Path, trust_remote_code: bool = False) -> str | None:
 @torch.no_grad()
 def logits_error(source: Path, candidate: Path, trust_remote_code: bool = False) -> float:
     """The relative logits error of ``candidate`` against ``source`` on the probe batch."""
-    ids = probe_batch(source, open_model(source, trust_remote_code).spec.vocab_size)
-    expected = checkpoint_logits(source, ids, trust_remote_code)
+    view = open_model(source, trust_remote_code)
+    ids = probe_batch(source, view.spec.vocab_size)
+    expected = _view_logits(view, ids, trust_remote_code)
     return relative_logits_error(checkpoint_logits(candidate, ids, trust_remote_code), expected)
 
 

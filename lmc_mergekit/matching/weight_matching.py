@@ -115,7 +115,10 @@ def match_weights(
     b = _Working(apply_transform(other, absorb), device)
     group = symmetry_group(spec).residual
     scale = math.sqrt(spec.norm_eps / other.spec.norm_eps)
-    rotation = residual_procrustes(_cross(a, b, scale), group)
+    # Embeddings and heads correspond row by row and no assignment moves them: their share of
+    # every round's cross-correlation is this one.
+    outside = _cross(a, b, scale)
+    rotation = residual_procrustes(outside, group)
     distances = [_distance(a, b)]
     best = None
     layers: list[LayerTransform | None] = [None] * spec.num_layers
@@ -126,7 +129,9 @@ def match_weights(
     moved_by = math.inf
     while iterations < max_iterations:
         iterations += 1
-        round_ = _round(a, b, spec, rotation, scale, layers, steady, moved_by, bar, iterations)
+        round_ = _round(
+            a, b, spec, rotation, scale, outside, layers, steady, moved_by, bar, iterations
+        )
         layers, changed = round_.layers, round_.changed
         candidate = Transform(spec.num_layers, True, rotation, scale, tuple(layers))
         distances.append(round_.distance)
@@ -164,18 +169,18 @@ class _Round:
     solved: int
 
 
-def _round(a, b, spec, rotation, scale, previous, steady, moved_by, bar, iteration) -> _Round:
+def _round(
+    a, b, spec, rotation, scale, outside, previous, steady, moved_by, bar, iteration
+) -> _Round:
     """One pass over the model: B turned by ``rotation``, every layer assigned (or kept), the
-    distance of the result, and the cross-correlation for the next rotation."""
+    distance of the result, and the cross-correlation for the next rotation (``outside``: the
+    embeddings' and heads' share of it)."""
     turn = Transform(spec.num_layers, True, rotation, scale).to(WORK_DTYPE)
     turn = replace(turn, rotation=turn.rotation.to(a.device))
     acc = _Accumulator(scale)
-    emb_a, emb_b = a.embeddings(), b.embeddings()
-    acc.add_distance(emb_a, transform_embeddings(emb_b, turn))
-    acc.add_cross(emb_a, emb_b)
-    head_a, head_b = a.head(), b.head()
-    acc.add_distance(head_a, transform_head(head_b, turn))
-    acc.add_cross(head_a, head_b)
+    acc.cross = outside.to(a.device)
+    acc.add_distance(a.embeddings(), transform_embeddings(b.embeddings(), turn))
+    acc.add_distance(a.head(), transform_head(b.head(), turn))
     layers, changed, solved = [], [], 0
     for index in range(spec.num_layers):
         bar.set_postfix_str(f"round {iteration}, layer {index + 1}/{spec.num_layers}")
