@@ -29,7 +29,7 @@ import torch
 from step_timing import time_step
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
-from lmc_mergekit.matching.align import AlignConfig, functional_model, match_all, moved
+from lmc_mergekit.matching.align import AlignConfig, block_runner, match_all, moved
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
 from lmc_mergekit.models.adapters import open_model
@@ -51,7 +51,7 @@ class Setup:
         self.matching_seconds = time.perf_counter() - start
         self.raw = moved(views, [matched[0]] * len(views))  # norms absorbed, nothing else
         self.endpoints = moved(views, matched)
-        self.model = functional_model(views[0], self.endpoints[0].spec, torch.device("cpu"))
+        self.model = block_runner(views[0], self.endpoints[0].spec, torch.device("cpu"))
         tokenizer = load_tokenizer(self.folders)
         config = DataConfig(seq_len=128)
         self.train = load_split(config, tokenizer, "train", 4096)

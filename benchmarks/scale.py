@@ -1,7 +1,7 @@
 """Time and peak memory of every pass at the shapes users merge, as ratios to one model.
 
     python benchmarks/scale.py [--shapes d256 160m 410m 1b llama-gqa]
-        [--passes lmc_dm subclone ls_merge learn] [--work DIR]
+        [--passes lmc_dm subclone ls_merge learn] [--work DIR] [--rounds N]
 
 Builds (once, under ``--work``) a pair of random-initialised checkpoints per shape: GPT-NeoX of
 Pythia shapes (d=256 ×4 layers, 160M, 410M, 1B; vocabulary 4096, the zoo's tokenizer) and one
@@ -120,7 +120,8 @@ def recipe(kind: str, a: Path, b: Path, args) -> dict:
             "merge_method": "lmc_dm",
             "models": both,
             "dtype": "float32",
-            "alignment": {"steps": 0, "evaluate": False},
+            "alignment": {"steps": 0, "evaluate": False}
+            | ({"max_iterations": args.rounds} if args.rounds else {}),
         }
     if kind == "subclone":
         config = json.loads((a / "config.json").read_text())
@@ -236,6 +237,9 @@ def main() -> None:
     table.add_argument("--ae-steps", type=int, default=50, help="autoencoder training steps")
     table.add_argument("--batch", type=int, default=4, help="sequences per step (learn)")
     table.add_argument("--cuda", action="store_true", help="run every pass on the GPU")
+    table.add_argument(
+        "--rounds", type=int, help="most weight-matching rounds (lmc_dm; default: the tool's)"
+    )
     builder = sub.add_parser("build-worker")
     builder.add_argument("shape", choices=list(SHAPES))
     builder.add_argument("work", type=Path)

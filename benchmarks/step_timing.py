@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from lmc_mergekit.evaluation.selfcheck import load_fp32
-from lmc_mergekit.matching.align import functional_model, moved
+from lmc_mergekit.matching.align import block_runner
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.symmetry import Transform
+from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 
 
@@ -47,10 +47,11 @@ def time_step(
             optimizer.step()
     else:
         views = [open_model(f) for f in folders]
-        ends = moved(views, [Transform(views[0].spec.num_layers, absorb_norms=True)] * 2)
-        model = functional_model(views[0], ends[0].spec, device)
+        absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
+        ends = [apply_transform(view, absorb) for view in views]
+        runner = block_runner(views[0], ends[0].spec, device)
         objective = InterpolationObjective(
-            ends, [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)], model
+            ends, [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)], runner
         )
         objective.symmetries.to(device)
         optimizer = torch.optim.AdamW(objective.symmetries.parameters(), lr=1e-4)

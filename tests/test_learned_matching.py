@@ -29,7 +29,7 @@ from lmc_mergekit.matching.learned_matching import (
     mixing_weights,
 )
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.functional import FunctionalModel
+from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry import Transform, apply_transform
@@ -108,7 +108,7 @@ def test_objective_is_the_loss_of_the_mixed_checkpoint(tmp_path, variant):
     absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
     ends = [materialize(apply_transform(v, absorb)) for v in views]
     symmetries = [randomized(ends[0].spec, seed=s) for s in (3, 4)]
-    model = FunctionalModel(a, views[0].adapter, ends[0].spec, CPU)
+    model = BlockRunner(a, views[0].adapter, ends[0].spec, CPU)
     weights = torch.tensor([0.3, 0.7])
     ids = probe_ids(shape=(3, 16))
     with torch.no_grad():
@@ -149,7 +149,7 @@ def tiny_pair(tmp_path_factory):
     views = [open_model(a), open_model(b)]
     absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
     ends = [materialize(apply_transform(v, absorb)) for v in views]
-    model = FunctionalModel(a, views[0].adapter, ends[0].spec, CPU)
+    model = BlockRunner(a, views[0].adapter, ends[0].spec, CPU)
     data = probe_ids(shape=(32, 16))
     return ends, model, data
 
@@ -323,12 +323,15 @@ def test_a_killed_run_resumes_and_ends_where_an_uninterrupted_one_does(trained_p
 
 
 @pytest.mark.slow
-def test_two_processes_learn_what_one_process_learns(trained_pair, tmp_path):
+def test_two_sharded_processes_learn_what_one_process_learns(trained_pair, tmp_path):
+    """Two gloo processes, each holding half of every endpoint (FSDP) and half of each batch,
+    end with the symmetries one process learns."""
     recipe = write_recipe(tmp_path, list(trained_pair), steps=20, evaluate=False)
     single = run_yaml(recipe, tmp_path / "one", tmp_path / "cache-one")
     assert single.exit_code == 0, single.output
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", "29533", "--no-python"]
+    # --standalone: the rendezvous picks a free port.
+    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", "--no-python"]
     command += lmc_command(recipe, tmp_path / "two", tmp_path / "cache-two")
     done = subprocess.run(command, env=quiet_env(), capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
@@ -345,6 +348,13 @@ def test_two_processes_learn_what_one_process_learns(trained_pair, tmp_path):
         for f in ("one", "two")
     ]
     assert len(losses[0]) == 20 and losses[1] == pytest.approx(losses[0], abs=1e-5)
+    learning = [
+        json.loads((tmp_path / f / "lmc_report.json").read_text())["learning"]
+        for f in ("one", "two")
+    ]
+    assert [record["processes"] for record in learning] == [1, 2]
+    held = [record["endpoint_mib_per_process"] for record in learning]
+    assert held[1] == pytest.approx(held[0] / 2, rel=0.02)  # each process held half
     merged = [load_file(tmp_path / f / "model.safetensors") for f in ("one", "two")]
     for name, tensor in merged[0].items():
         torch.testing.assert_close(merged[1][name], tensor, atol=2e-5, rtol=1e-4)

@@ -7,7 +7,7 @@ import torch
 from tiny_models import VARIANTS, probe_ids
 
 from lmc_mergekit.evaluation.barrier import interpolation_losses
-from lmc_mergekit.matching import match_weights, weight_matching
+from lmc_mergekit.matching import assignment, match_weights, weight_matching
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.view import iter_tensors, materialize
@@ -98,3 +98,45 @@ def test_steady_layers_are_not_solved_again_and_that_costs_nothing(trained_pair,
     assert fast.solved[0] == layers and all(n == layers for n in full.solved)
     assert fast.distance < fast.distances[0]
     assert abs(fast.distance - full.distance) <= 1e-3 * full.distance
+
+
+def _planted(n: int, noise: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A similarity of rows with shuffled, noisy copies of themselves, and the shuffle."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, 64, generator=generator, dtype=torch.float64)
+    shuffle = torch.randperm(n, generator=generator)
+    copies = torch.empty_like(rows)
+    copies[shuffle] = rows + noise * torch.randn(n, 64, generator=generator, dtype=torch.float64)
+    return rows @ copies.T, shuffle
+
+
+def _dense_optimum(similarity: torch.Tensor) -> float:
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(similarity.numpy(), maximize=True)
+    return float(similarity[rows, cols].sum())
+
+
+@pytest.mark.parametrize(("n", "noise"), [(24, 3.0), (600, 0.8)])
+def test_assignment_on_candidates_finds_the_optimum(n, noise):
+    # 24 ≤ CANDIDATES: every edge is a candidate; 600: the best partners are among the top.
+    similarity, shuffle = _planted(n, noise, seed=n)
+    perm, score = assignment.best_permutation(similarity)
+    assert score == pytest.approx(_dense_optimum(similarity), rel=1e-12)
+    assert sorted(perm.tolist()) == list(range(n))
+    if n > assignment.CANDIDATES:
+        assert torch.equal(perm, shuffle)
+
+
+def test_assignment_on_candidates_never_loses_to_the_current_one():
+    # Unrelated rows: the optimum may use edges outside the candidates; the current assignment
+    # (the dense optimum itself, here) is always one of them, so it is never lost.
+    generator = torch.Generator().manual_seed(0)
+    similarity = torch.randn(300, 300, generator=generator, dtype=torch.float64)
+    from scipy.optimize import linear_sum_assignment
+
+    _, best = linear_sum_assignment(similarity.numpy(), maximize=True)
+    _, score = assignment.best_permutation(similarity, torch.as_tensor(best))
+    assert score == pytest.approx(_dense_optimum(similarity), rel=1e-12)
+    _, from_identity = assignment.best_permutation(similarity)
+    assert float(similarity.diagonal().sum()) < from_identity <= score + 1e-9

@@ -21,7 +21,7 @@ import torch
 from lmc_mergekit.matching.learned_matching import LearningConfig, LearningResult, learn_symmetries
 from lmc_mergekit.matching.weight_matching import match_weights
 from lmc_mergekit.models.adapters.base import CheckpointView
-from lmc_mergekit.models.functional import FunctionalModel
+from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import InMemoryView, ModelSpec, ModelView, materialize
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.symmetry import Transform, apply_transform
@@ -70,6 +70,10 @@ def align(
     matching (``config.learning``) trains on ``calibration`` token ids ``(n, L)``."""
     processes = processes or Processes()
     started = time.perf_counter()
+    runner = None
+    if config.learning is not None:  # before matching: a model that cannot learn fails first
+        absorbed = apply_transform(views[0], Transform(views[0].spec.num_layers, absorb_norms=True))
+        runner = block_runner(views[0], absorbed.spec, torch.device(device), trust_remote_code)
     keep = state_dir if config.learning is not None and processes.is_main else None
     matched, matching = match_all(views, config, state_dir, keep, progress, device)
     alignment = Alignment(matched, matched, matching)
@@ -77,11 +81,9 @@ def align(
     if config.learning is None:
         return alignment
     started = time.perf_counter()
-    endpoints = moved(views, matched)
-    model = functional_model(views[0], endpoints[0].spec, torch.device(device), trust_remote_code)
     result = learn_symmetries(
-        endpoints,
-        model,
+        [apply_transform(v, t) for v, t in zip(views, matched, strict=True)],
+        runner,
         calibration,
         config.learning,
         state_dir=state_dir,
@@ -142,9 +144,9 @@ def moved(views: list[ModelView], transforms: list[Transform]) -> list[InMemoryV
     return [materialize(apply_transform(v, t)) for v, t in zip(views, transforms, strict=True)]
 
 
-def functional_model(
+def block_runner(
     source: CheckpointView, spec: ModelSpec, device: torch.device, trust_remote_code: bool = False
-) -> FunctionalModel:
-    """The stock module learned matching runs the mixes on: ``source``'s architecture with the
-    moved models' ``spec`` (their norms absorbed)."""
-    return FunctionalModel(source.folder, source.adapter, spec, device, trust_remote_code)
+) -> BlockRunner:
+    """What learned matching runs the mixes' blocks through: one-layer stock modules of
+    ``source``'s architecture with the moved models' ``spec`` (their norms absorbed)."""
+    return BlockRunner(source.folder, source.adapter, spec, device, trust_remote_code)

@@ -4,15 +4,47 @@ from __future__ import annotations
 
 import torch
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
 from lmc_mergekit.models.view import MLP, Attention, ModelSpec
 
+#: Columns per row the assignment considers (besides the row's current partner).
+CANDIDATES = 32
 
-def best_permutation(similarity: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """``perm`` maximising ``Σ_i similarity[i, perm[i]]`` and that maximum."""
-    rows, cols = linear_sum_assignment(similarity.numpy(), maximize=True)
-    perm = torch.as_tensor(cols, dtype=torch.long)
-    return perm, float(similarity[torch.as_tensor(rows), perm].sum())
+
+def best_permutation(
+    similarity: torch.Tensor, current: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
+    """``perm`` maximising ``Σ_i similarity[i, perm[i]]`` over the candidate graph, and that
+    sum.
+
+    Candidates are each row's :data:`CANDIDATES` most similar columns plus its ``current``
+    partner (the identity by default): scipy's sparse solver (LAPJVsp) then finds the best
+    assignment using only those edges. Up to ``CANDIDATES`` columns that is every edge (solved
+    densely), hence the exact optimum; above, it is the optimum wherever the best partners are
+    near the top (so far always, in trained pairs) and never worse than ``current``, so a
+    descent that re-solves a layer cannot lose ground. Dense assignment grows as ``n³`` (15 s
+    at 8192 on two cores), the candidate graph as ``n·CANDIDATES`` (under a second).
+    """
+    n = similarity.shape[0]
+    if n <= CANDIDATES:  # every edge is a candidate: the dense solver, quicker at this size
+        rows, cols = linear_sum_assignment(similarity.numpy(), maximize=True)
+        perm = torch.as_tensor(cols, dtype=torch.long)
+        return perm, float(similarity[torch.as_tensor(rows), perm].sum())
+    current = torch.arange(n) if current is None else current
+    top = similarity.topk(min(n, CANDIDATES), dim=1).indices
+    edges = torch.cat([top, current[:, None]], dim=1) + n * torch.arange(n)[:, None]
+    edges = torch.unique(edges.reshape(-1))  # a current partner among the top ones counts once
+    rows, cols = edges // n, edges % n
+    values = similarity[rows, cols].double()
+    # Stored values are edges: shifted positive so that none reads as absent (every full
+    # assignment has n edges, so the shift does not change which one is best).
+    graph = csr_matrix(((values - values.min() + 1).numpy(), (rows.numpy(), cols.numpy())), (n, n))
+    solved_rows, solved_cols = min_weight_full_bipartite_matching(graph, maximize=True)
+    perm = torch.empty(n, dtype=torch.long)
+    perm[torch.as_tensor(solved_rows).long()] = torch.as_tensor(solved_cols).long()
+    return perm, float(similarity[torch.arange(n), perm].sum())
 
 
 def match_heads(similarity: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

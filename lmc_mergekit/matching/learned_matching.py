@@ -29,13 +29,18 @@ from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.matching.interpolation import InterpolationObjective
-from lmc_mergekit.models.functional import FunctionalModel
-from lmc_mergekit.models.view import InMemoryView
+from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.view import ModelView
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.resumable import load_state, save_state
 from lmc_mergekit.runtime.schedule import warmup_cosine
 from lmc_mergekit.symmetry.group import symmetry_group
-from lmc_mergekit.symmetry.parametrize import FAMILIES, LearnedSymmetry, Parametrization
+from lmc_mergekit.symmetry.parametrize import (
+    FAMILIES,
+    Diverged,
+    LearnedSymmetry,
+    Parametrization,
+)
 from lmc_mergekit.symmetry.transform import Transform
 
 Sampler = Literal["uniform", "band", "half"]
@@ -76,6 +81,9 @@ class LearningResult:
     resumed_from: int | None = None
     #: The symmetry families learned (those asked for that the model admits).
     families: tuple[str, ...] = ()
+    #: Processes the endpoints were sharded over, and the endpoint MiB each one held.
+    processes: int = 1
+    endpoint_mib_per_process: float = 0.0
 
     def summary(self) -> dict:
         """JSON-ready facts for the report."""
@@ -88,6 +96,8 @@ class LearningResult:
             "last_loss": _mean(self.losses[-window:]),
             "rollbacks": self.rollbacks,
             "resumed_from_step": self.resumed_from,
+            "processes": self.processes,
+            "endpoint_mib_per_process": round(self.endpoint_mib_per_process, 3),
         }
 
 
@@ -114,8 +124,8 @@ def learning_rate(step: int, config: LearningConfig) -> float:
 
 
 def learn_symmetries(
-    endpoints: list[InMemoryView],
-    model: FunctionalModel,
+    endpoints: list[ModelView],
+    runner: BlockRunner,
     sequences: torch.Tensor,
     config: LearningConfig,
     *,
@@ -125,9 +135,11 @@ def learn_symmetries(
     on_checkpoint: Callable[[int, list[Transform]], None] | None = None,
 ) -> LearningResult:
     """Learn each endpoint's continuous symmetries (the first one's too, unless one-sided) on
-    ``sequences`` (``(n, L)`` token ids). Returns them as transforms to apply after the ones that
-    produced ``endpoints``. ``on_checkpoint(step, transforms)`` is called at every checkpoint
-    (benchmarks use it to follow the barrier during a run)."""
+    ``sequences`` (``(n, L)`` token ids), the mixes run block by block through ``runner``; the
+    endpoints are read one part at a time (and sharded under several processes). Returns them
+    as transforms to apply after the ones that produced ``endpoints``.
+    ``on_checkpoint(step, transforms)`` is called at every checkpoint (benchmarks use it to
+    follow the barrier during a run)."""
     processes = processes or Processes()
     if config.batch_size % processes.world_size:
         raise LmcError(
@@ -146,8 +158,8 @@ def learn_symmetries(
         )
         for index in range(len(endpoints))
     ]
-    objective = InterpolationObjective(endpoints, learned, model)
-    device = model.device
+    objective = InterpolationObjective(endpoints, learned, runner, processes)
+    device = runner.device
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
     if not params:
@@ -185,7 +197,7 @@ def learn_symmetries(
                 loss = objective(weights, processes.shard(batch).to(device))
             loss.backward()
             reduced = loss.detach().clone()
-        except torch.linalg.LinAlgError:  # a map went singular: diverged like a NaN loss
+        except (torch.linalg.LinAlgError, Diverged):  # a map went singular: like a NaN loss
             reduced = torch.tensor(math.nan, device=device)
         processes.mean([reduced] + [p.grad for p in params])
         value = float(reduced)
@@ -214,6 +226,8 @@ def learn_symmetries(
         rollbacks=state.rollbacks,
         resumed_from=resumed_from,
         families=tuple(f for f in FAMILIES if any(s and f in s.families for s in learned)),
+        processes=processes.world_size,
+        endpoint_mib_per_process=objective.held_bytes() / 2**20,
     )
 
 

@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from tqdm.auto import tqdm
@@ -56,7 +57,7 @@ from lmc_mergekit.models.view import (
     iter_tensors,
     map_tensors,
 )
-from lmc_mergekit.symmetry import LayerTransform, Transform, apply_transform
+from lmc_mergekit.symmetry import LayerTransform, Transform
 from lmc_mergekit.symmetry.actions import (
     apply_layer_transform,
     permute_heads,
@@ -110,9 +111,7 @@ def match_weights(
             "weight matching needs two models of one shape: {} is {} vs {}".format(*mismatch)
         )
     device = torch.device(device)
-    absorb = Transform(spec.num_layers, absorb_norms=True)
-    a = _Working(apply_transform(reference, absorb), device)
-    b = _Working(apply_transform(other, absorb), device)
+    a, b = _Working(reference, device), _Working(other, device)
     group = symmetry_group(spec).residual
     scale = math.sqrt(spec.norm_eps / other.spec.norm_eps)
     # Embeddings and heads correspond row by row and no assignment moves them: their share of
@@ -187,7 +186,7 @@ def _round(
         block_a, block_b = a.block(index), b.block(index)
         turned = transform_block(block_b, spec, turn, index)
         keep = previous[index] is not None and steady[index] and moved_by < STEADY_ROTATION
-        layer = match_layer(block_a, turned, spec, previous[index] if keep else None)
+        layer = match_layer(block_a, turned, spec, previous[index], keep)
         solved += not keep
         changed.append(previous[index] is None or not _same_assignment(layer, previous[index]))
         layers.append(layer)
@@ -269,17 +268,23 @@ def _distance(a, b) -> float:
 
 
 def match_layer(
-    a: Block, b: Block, spec: ModelSpec, keep: LayerTransform | None = None
+    a: Block,
+    b: Block,
+    spec: ModelSpec,
+    previous: LayerTransform | None = None,
+    keep: bool = False,
 ) -> LayerTransform:
     """Head and neuron permutations and per-head maps moving block ``b`` onto block ``a``
-    (both already in one residual basis); with ``keep``, its permutations are kept and only
-    the maps fitted. Maps and permutations come back in float64 on the CPU."""
+    (both already in one residual basis), starting from the ``previous`` round's assignment;
+    with ``keep``, its permutations are kept and only the maps fitted. Maps and permutations
+    come back in float64 on the CPU."""
     attn_a, attn_b = (map_tensors(x.attn, _cpu64) for x in (a, b))
-    if keep is None:
-        head_perm = match_heads(head_similarity(attn_a, attn_b, spec), spec.num_kv_heads)
-        ffn_perm, _ = best_permutation(_cpu64(neuron_similarity(a.mlp, b.mlp)))
+    if keep and previous is not None:
+        head_perm, ffn_perm = previous.head_perm, previous.ffn_perm
     else:
-        head_perm, ffn_perm = keep.head_perm, keep.ffn_perm
+        head_perm = match_heads(head_similarity(attn_a, attn_b, spec), spec.num_kv_heads)
+        current = None if previous is None else previous.ffn_perm
+        ffn_perm, _ = best_permutation(_cpu64(neuron_similarity(a.mlp, b.mlp)), current)
     attn = permute_heads(attn_b, spec, head_perm)
     qk = None
     if symmetry_group(spec).qk_maps:
@@ -314,9 +319,10 @@ def _cpu64(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Working:
-    """``view`` in the working dtype on ``device``, part by part on each access: the descent
-    keeps no model in memory, only the parts it is working on (a checkpoint-backed view reads
-    them again each round)."""
+    """``view`` with its norms absorbed, in the working dtype on ``device``, part by part on
+    each access: the descent keeps no model in memory, only the parts it is working on (a
+    checkpoint-backed view reads them again each round). The absorption runs in the working
+    dtype too: what is written is computed again from the checkpoints, in float64."""
 
     view: ModelView
     device: torch.device
@@ -325,14 +331,18 @@ class _Working:
     def spec(self) -> ModelSpec:
         return self.view.spec
 
+    @cached_property
+    def _absorb(self) -> Transform:
+        return Transform(self.spec.num_layers, absorb_norms=True)
+
     def _work(self, part):
         return map_tensors(part, lambda t: t.to(self.device, WORK_DTYPE))
 
     def embeddings(self) -> Embeddings:
-        return self._work(self.view.embeddings())
+        return transform_embeddings(self._work(self.view.embeddings()), self._absorb)
 
     def block(self, index: int) -> Block:
-        return self._work(self.view.block(index))
+        return transform_block(self._work(self.view.block(index)), self.spec, self._absorb, index)
 
     def head(self) -> Head:
-        return self._work(self.view.head())
+        return transform_head(self._work(self.view.head()), self._absorb)

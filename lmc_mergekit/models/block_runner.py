@@ -24,7 +24,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import Adapter
 from lmc_mergekit.models.checkpoint import read_config
 from lmc_mergekit.models.functional import FunctionalModel
-from lmc_mergekit.models.view import Block, Embeddings, ModelSpec, ModelView
+from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ class _OneLayer(FunctionalModel):
         self.seen["output"] = output[0] if isinstance(output, tuple) else output
         raise _Stop
 
-    @torch.no_grad()
-    def each(self, block: Block, residuals: Iterable[torch.Tensor]) -> Iterator[BlockActivations]:
+    def _state(self, block: Block) -> dict[str, torch.Tensor]:
+        """The module's weights for ``block`` (as layer 0), float32 on the module's device."""
         tensors = self.adapter.block_tensors(block, self.spec, 0)
         state = {
             self.adapter.module_names.get(k, k): t.to(self.device, torch.float32)
@@ -86,21 +86,31 @@ class _OneLayer(FunctionalModel):
         }
         if self._positions is not None:
             state.update(self._positions)
+        return state
+
+    def _run(self, state: dict[str, torch.Tensor], residual: torch.Tensor) -> dict:
+        self.seen.clear()
+        try:
+            functional_call(
+                self.module,
+                state,
+                args=(),
+                kwargs={"inputs_embeds": residual.to(self.device), "use_cache": False},
+            )
+        except _Stop:
+            pass
+        seen, self.seen = self.seen, {}
+        return seen
+
+    def output(self, block: Block, residual: torch.Tensor) -> torch.Tensor:
+        """The residual stream after ``block`` (differentiable in both)."""
+        return self._run(self._state(block), residual)["output"]
+
+    @torch.no_grad()
+    def each(self, block: Block, residuals: Iterable[torch.Tensor]) -> Iterator[BlockActivations]:
+        state = self._state(block)
         for residual in residuals:
-            self.seen.clear()
-            try:
-                functional_call(
-                    self.module,
-                    state,
-                    args=(),
-                    kwargs={
-                        "inputs_embeds": residual.to(self.device, torch.float32),
-                        "use_cache": False,
-                    },
-                )
-            except _Stop:
-                pass
-            seen = self.seen
+            seen = self._run(state, residual.to(torch.float32))
             yield BlockActivations(
                 output=seen["output"],
                 mlp_reads=seen["mlp_norm"],
@@ -123,8 +133,8 @@ class BlockRunner:
     ):
         if not adapter.block_modules:
             raise LmcError(
-                f"the {spec.architecture} adapter names no block modules; layer-by-layer "
-                "conversion does not support this architecture"
+                f"the {spec.architecture} adapter names no block modules; running it block by "
+                "block (size conversion, learned matching) is not supported"
             )
         problem = adapter.blockwise_problem(read_config(folder))
         if problem is not None:
@@ -162,19 +172,29 @@ class BlockRunner:
         residual = embed(view.embeddings(), input_ids, spec).to(self.device, torch.float32)
         for index in range(spec.num_layers):
             residual = self.run(view.block(index), residual, index).output
-        head = view.head()
-        gain, bias = (t if t is None else t.to(residual) for t in (head.norm.gain, head.norm.bias))
-        width = (residual.shape[-1],)
-        if spec.norm == "layernorm":
-            normed = F.layer_norm(residual, width, gain, bias, spec.norm_eps)
-        else:
-            normed = F.rms_norm(residual, width, gain, spec.norm_eps)
-        logits = normed @ head.weight.to(residual).T
-        if head.bias is not None:
-            logits = logits + head.bias.to(residual)
-        if spec.final_softcap:
-            logits = spec.final_softcap * torch.tanh(logits / spec.final_softcap)
-        return logits
+        return final_logits(view.head(), residual, spec)
+
+    def output(self, block: Block, residual: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """The residual stream after ``block`` (layer ``layer``), differentiable in the block's
+        weights and in ``residual``: what learned matching runs its mixes through."""
+        return self._layer(layer).output(block, residual)
+
+
+def final_logits(head: Head, residual: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """The logits the final norm and the head compute from the last residual stream
+    (differentiable; soft-capped where the family caps them)."""
+    gain, bias = (t if t is None else t.to(residual) for t in (head.norm.gain, head.norm.bias))
+    width = (residual.shape[-1],)
+    if spec.norm == "layernorm":
+        normed = F.layer_norm(residual, width, gain, bias, spec.norm_eps)
+    else:
+        normed = F.rms_norm(residual, width, gain, spec.norm_eps)
+    logits = normed @ head.weight.to(residual).T
+    if head.bias is not None:
+        logits = logits + head.bias.to(residual)
+    if spec.final_softcap:
+        logits = spec.final_softcap * torch.tanh(logits / spec.final_softcap)
+    return logits
 
 
 def embed(embeddings: Embeddings, input_ids: torch.Tensor, spec: ModelSpec) -> torch.Tensor:

@@ -135,6 +135,7 @@ class CheckpointReader:
         index = ShardedTensorIndex.from_disk(str(folder))
         self._loader = LazyTensorLoader(index, lazy_unpickle=False)
         self._names = set(index.tensor_paths)
+        self._checked: set[str] = set()  # passes read some tensors every round: check once
 
     def has(self, name: str) -> bool:
         """Whether the checkpoint stores a tensor under ``name``."""
@@ -150,12 +151,14 @@ class CheckpointReader:
         # Closing the shard unmaps it: pages of a kept mapping count as this process's memory,
         # and would add up to the whole checkpoint over a pass.
         self._loader.flush()
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise LmcError(
-                f"{self.folder}: tensor {name!r} holds {bad} NaN/Inf values; "
-                "the checkpoint is corrupt or diverged, repair or replace it"
-            )
+        if name not in self._checked and tensor.is_floating_point():
+            if not torch.isfinite(tensor).all():
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise LmcError(
+                    f"{self.folder}: tensor {name!r} holds {bad} NaN/Inf values; "
+                    "the checkpoint is corrupt or diverged, repair or replace it"
+                )
+            self._checked.add(name)
         return tensor
 
 

@@ -1,9 +1,9 @@
-"""Running a ``transformers`` model on weights supplied per call, given in canonical parts.
+"""A stock ``transformers`` module of a folder's architecture, described by a canonical spec,
+whose weights are supplied per call (:func:`torch.func.functional_call`).
 
-Learned matching builds new weights at every step from frozen endpoints and small symmetry
-parameters; :func:`torch.func.functional_call` runs the stock module on them, so gradients flow
-back into the parameters and the forward pass is exactly the one ``transformers`` runs on the
-written checkpoint.
+The block runner builds its one-layer modules on this, so learned matching and size conversion
+run exactly the computation ``transformers`` runs on a written checkpoint, and gradients flow
+back into whatever the supplied weights were built from.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.func import functional_call
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import Adapter, load_config
 from lmc_mergekit.models.checkpoint import read_config
-from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec
+from lmc_mergekit.models.view import ModelSpec
 
 
 def module_config(
@@ -53,22 +51,4 @@ class FunctionalModel:
         config.tie_word_embeddings = False
         self.adapter, self.spec = adapter, spec
         self.module = stock_module(config, device, trust_remote_code)
-        self.names = {name for name, _ in self.module.named_parameters()}
         self.device = device
-
-    def state(self, emb: Embeddings, blocks: list[Block], head: Head) -> dict[str, torch.Tensor]:
-        """The module's parameters from canonical parts (checked once by :meth:`loss`)."""
-        return self.adapter.module_state((emb, blocks, head), self.spec)
-
-    def loss(self, state: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of the module with weights ``state`` on ``input_ids``."""
-        if state.keys() != self.names:
-            missing = sorted(self.names ^ state.keys())[:3]
-            raise LmcError(
-                f"the {self.spec.architecture} adapter does not name the module's parameters "
-                f"({', '.join(missing)}); this architecture cannot be learned functionally"
-            )
-        out = functional_call(
-            self.module, state, args=(), kwargs={"input_ids": input_ids, "labels": input_ids}
-        )
-        return out.loss

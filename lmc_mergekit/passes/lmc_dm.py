@@ -158,6 +158,8 @@ class LearningRecord(Record):
     last_loss: float | None
     rollbacks: list[dict]
     resumed_from_step: int | None
+    processes: int = 1
+    endpoint_mib_per_process: float = 0.0
     losses: list[float]
 
 

@@ -39,6 +39,14 @@ class Processes:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
             tensor.div_(self.world_size)
 
+    def mesh(self, device: torch.device):
+        """The device mesh FSDP shards over (None for one process)."""
+        if self.world_size == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device.type, (self.world_size,))
+
     def barrier(self) -> None:
         """Wait for every process."""
         if self.world_size > 1:

@@ -79,6 +79,10 @@ def invertible(rot: torch.Tensor, tri: torch.Tensor, kind: Parametrization) -> t
     return torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device) + rot
 
 
+class Diverged(ArithmeticError):
+    """The parameters no longer stand for a group element (a scale that under- or overflowed)."""
+
+
 class LearnedSymmetry(nn.Module):
     """The continuous symmetries of one endpoint, as trainable parameters (zero = identity)."""
 
@@ -154,6 +158,9 @@ class LearnedSymmetry(nn.Module):
     def transform(self) -> Transform:
         """The symmetry these parameters stand for (differentiable in them)."""
         qk, ov = self.qk_maps(), self.ov_maps()
+        scale = self.log_scale.exp() if "scale" in self.families else 1.0
+        if "scale" in self.families and not 0 < float(scale.detach()) < float("inf"):
+            raise Diverged(f"the learned scale is {float(scale.detach())}")
         layers = tuple(
             LayerTransform(qk=None if qk is None else qk[i], ov=None if ov is None else ov[i])
             for i in range(self.spec.num_layers)
@@ -162,7 +169,7 @@ class LearnedSymmetry(nn.Module):
             num_layers=self.spec.num_layers,
             absorb_norms=True,
             rotation=self.rotation(),
-            scale=self.log_scale.exp() if "scale" in self.families else 1.0,
+            scale=scale,
             layers=layers,
         )
 

@@ -36,7 +36,8 @@ class GPT2Adapter(Adapter):
         if raw.get("scale_attn_by_inverse_layer_idx"):
             return (
                 "this gpt2 model scales attention by its layer index "
-                "(scale_attn_by_inverse_layer_idx); it cannot be converted block by block"
+                "(scale_attn_by_inverse_layer_idx); it cannot be run block by block (size "
+                "conversion, learned matching)"
             )
         return super().blockwise_problem(raw)
 
