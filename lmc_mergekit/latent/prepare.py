@@ -1,4 +1,5 @@
-"""Models encoded into a weight autoencoder's latent space, one prepared folder per model.
+"""Models encoded into a weight autoencoder's latent space, one prepared folder per model,
+reading, encoding and writing one part (embeddings, a block, the head) at a time.
 
 A prepared folder holds the model's plain encode–decode as a stock checkpoint (what mergekit
 loads, and the λ = 0 endpoint) and its latents named after the output's tensors
@@ -21,16 +22,15 @@ from tqdm.auto import tqdm
 from lmc_mergekit.data.sequences import shares_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder
-from lmc_mergekit.latent.chunks import NamedTensor, model_tensors
+from lmc_mergekit.latent.chunks import NamedTensor
 from lmc_mergekit.latent.codec import EncodedTensor, decode_tensor, encode_tensor, relative_error
 from lmc_mergekit.latent.heterogeneous import check_mapping, layer_map, own_pieces, transport_source
-from lmc_mergekit.latent.store import LatentStore, write_latents
+from lmc_mergekit.latent.store import LatentStore, LatentWriter
 from lmc_mergekit.latent.tensor_merge import decode_key
 from lmc_mergekit.models.adapters import CheckpointView
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
-from lmc_mergekit.models.layout import KeyLayout, Piece, checkpoint_layout
-from lmc_mergekit.models.view import materialize
+from lmc_mergekit.models.layout import Piece, part_layouts
 
 # The decoded weights must match the stored latents' decode this closely (relative).
 READ_BACK_TOLERANCE = 1e-5
@@ -38,23 +38,29 @@ READ_BACK_TOLERANCE = 1e-5
 
 @dataclass(frozen=True)
 class LatentInput:
-    """A model read for encoding: its view, canonical tensors and checkpoint layout."""
+    """A model to encode: its view and its canonical pieces (shapes only: weights are read part
+    by part when they are used)."""
 
     view: CheckpointView
-    tensors: list[NamedTensor]
-    layout: dict[str, KeyLayout]
+    #: Every canonical tensor of the model (a tied head included), by layer then kind.
+    canonical: tuple[Piece, ...]
+    #: The canonical tensors the checkpoint's keys are built from (a tied head left out).
+    pieces: tuple[Piece, ...]
 
     @classmethod
     def read(cls, view: CheckpointView) -> LatentInput:
-        """Read ``view`` once, for both its tensors and its layout."""
-        loaded = materialize(view)
-        return cls(view, model_tensors(loaded), checkpoint_layout(view.adapter, loaded))
+        """Read ``view`` once, part by part, for its pieces (its layout checked on the way)."""
+        canonical, used = [], set()
+        for part in part_layouts(view.adapter, view):
+            canonical += part.tensors
+            used |= {piece for layout in part.keys.values() for piece in layout.pieces}
+        canonical = sorted(canonical, key=_order)
+        return cls(view, tuple(canonical), tuple(p for p in canonical if p in used))
 
     @property
-    def pieces(self) -> list[Piece]:
-        """The canonical pieces the layout uses, by layer then kind."""
-        found = {piece for key_layout in self.layout.values() for piece in key_layout.pieces}
-        return sorted(found, key=lambda piece: (piece.layer, piece.kind))
+    def kinds(self) -> set[tuple[str, int]]:
+        """(kind, layer) of every canonical tensor."""
+        return {(piece.kind, piece.layer) for piece in self.canonical}
 
     @property
     def family(self) -> str:
@@ -67,19 +73,26 @@ class LatentInput:
         return self.family != target.family or mismatch is not None
 
 
+def _order(piece: Piece) -> tuple[int, str]:
+    return piece.layer, piece.kind
+
+
 def target_only_pieces(target: LatentInput, source: LatentInput) -> set[tuple[str, int]]:
     """The target pieces that keep the target's own latents when ``source`` is moved onto it:
     between families, the kinds the source's family lacks, and between tokenizers the
     embeddings and the head. Within one family every block tensor must have a counterpart (a
     one-line error otherwise)."""
-    kinds = {(t.kind, t.layer) for t in source.tensors}
+    kinds = source.kinds
     mapping = layer_map(source.view.spec.num_layers, target.view.spec.num_layers)
     same_tokenizer = shares_tokenizer(target.view.folder, source.view.folder)
-    own = own_pieces(kinds, target.pieces, mapping, same_tokenizer)
+    own = own_pieces(kinds, list(target.pieces), mapping, same_tokenizer)
     if source.family == target.family:
         gaps = [p for p in target.pieces if (p.kind, p.layer) in own and p.layer >= 0]
         check_mapping(kinds, gaps, mapping, source.view.folder.name)
     return own
+
+
+Codes = dict[tuple[str, int], EncodedTensor]
 
 
 def prepare_latents(
@@ -91,42 +104,50 @@ def prepare_latents(
     shrinkage: float,
     progress: bool,
 ) -> tuple[list[dict], dict | None]:
-    """Encode every model into its prepared folder in ``outputs``; in a heterogeneous merge the
-    first is the target and the others of another shape or family are moved onto it. Returns a
-    record per model (role, shape, reconstruction error per tensor, seconds) and, heterogeneous,
-    the transport record (layer map, the map per layer, the pieces the target kept)."""
+    """Encode every model into its prepared folder in ``outputs``, one part of one model in
+    memory at a time; in a heterogeneous merge the first is the target and the others of
+    another shape or family are moved onto it. Returns a record per model (role, shape,
+    reconstruction error per tensor, seconds) and, heterogeneous, the transport record (layer
+    map, the map per layer, the pieces the target kept)."""
     entries, transport, target = [], None, None
     for index, (model, out) in enumerate(zip(models, outputs, strict=True)):
         started = time.perf_counter()
         view = model.view
-        bar = tqdm(model.tensors, desc=f"encoding {view.folder.name}", disable=not progress)
-        encoded = {(t.kind, t.layer): encode_tensor(autoencoder, t) for t in bar}
-        decoded = {key: decode_tensor(autoencoder, code) for key, code in encoded.items()}
-        reconstruction = {
-            f"{t.kind}@{t.layer}": relative_error(t.tensor, decoded[(t.kind, t.layer)])
-            for t in model.tensors
-        }
-        role, like = "input", model
+        role = "input"
         if heterogeneous and index == 0:
-            role, target = "target", (model, encoded)
+            role = "target"
         elif heterogeneous and model.moves_onto(models[0]):
-            role, like = "source", target[0]
-            mapping = layer_map(view.spec.num_layers, like.view.spec.num_layers)
-            own = target_only_pieces(like, model)
+            role = "source"
+        if role == "source":
+            # Encoded whole first (latents only): the transport is fitted per layer over all
+            # of them; then decoded onto the target's layout. No residual: no weights of the
+            # output's shape.
+            encoded, reconstruction = _encode(autoencoder, model, progress)
+            mapping = layer_map(view.spec.num_layers, target[0].view.spec.num_layers)
+            own = target_only_pieces(target[0], model)
             encoded, layers = transport_source(
-                encoded, target[1], like.pieces, mapping, shrinkage, view.folder.name, own
+                encoded,
+                target[1],
+                list(target[0].pieces),
+                mapping,
+                shrinkage,
+                view.folder.name,
+                own,
             )
             transport = {
                 "layer_map": {str(k): v for k, v in mapping.items()},
                 "layers": layers,
                 "target_only": sorted(f"{kind}@{layer}" for kind, layer in own),
             }
-            decoded = {key: decode_tensor(autoencoder, code) for key, code in encoded.items()}
-        originals = {(t.kind, t.layer): t.tensor for t in like.tensors}
-        # A source has no weights of the output's shape, hence no reconstruction residual.
-        residuals = role != "source"
-        write_prepared(out, like, encoded, decoded, originals, residuals, autoencoder_path)
-        check_prepared(out, autoencoder, like.layout, originals, residuals)
+            _write(out, target[0], autoencoder, autoencoder_path, encoded, False, False, progress)
+        else:
+            # The target's latents are kept for the transport of the sources onto it.
+            target_role = role == "target"
+            encoded, reconstruction = _write(
+                out, model, autoencoder, autoencoder_path, None, True, target_role, progress
+            )
+            if target_role:
+                target = (model, encoded)
         entries.append(
             {
                 "model": str(view.folder),
@@ -140,59 +161,109 @@ def prepare_latents(
     return entries, transport
 
 
-def write_prepared(
+def _encode(
+    autoencoder: WeightAutoencoder, model: LatentInput, progress: bool
+) -> tuple[Codes, dict[str, float]]:
+    """Every canonical tensor of ``model`` encoded, and each one's reconstruction error."""
+    encoded, reconstruction = {}, {}
+    parts = part_layouts(model.view.adapter, model.view)
+    name = model.view.folder.name
+    for part in tqdm(parts, desc=f"encoding {name}", total=_parts(model), disable=not progress):
+        for piece, tensor in part.tensors.items():
+            code = encode_tensor(autoencoder, NamedTensor(piece.kind, piece.layer, tensor))
+            decoded = decode_tensor(autoencoder, code)
+            encoded[(piece.kind, piece.layer)] = code
+            reconstruction[f"{piece.kind}@{piece.layer}"] = relative_error(tensor, decoded)
+    return encoded, reconstruction
+
+
+def _parts(model: LatentInput) -> int:
+    return model.view.spec.num_layers + 2
+
+
+def _write(
     out: Path,
     like: LatentInput,
-    encoded: dict[tuple[str, int], EncodedTensor],
-    decoded: dict[tuple[str, int], torch.Tensor],
-    originals: dict[tuple[str, int], torch.Tensor],
+    autoencoder: WeightAutoencoder,
+    autoencoder_path: Path,
+    encoded: Codes | None,
     residuals: bool,
-    autoencoder: Path,
-) -> None:
-    """The prepared folder: the decode as a stock checkpoint (layout, config.json and tokenizer
-    of ``like``, dtypes of ``originals``), the latents of every tensor and, with ``residuals``,
-    each tensor's reconstruction residual (original − decoded)."""
+    keep_codes: bool,
+    progress: bool,
+) -> tuple[Codes, dict[str, float]]:
+    """The prepared folder, written part by part of ``like`` (its layout, config.json,
+    tokenizer and dtypes): the decode as a stock checkpoint, the latents of every tensor and,
+    with ``residuals``, each tensor's reconstruction residual (original − decoded). The pieces
+    are encoded from ``like``'s own weights unless ``encoded`` gives their latents. Read back
+    before it returns. Returns each piece's reconstruction error (its own weights only) and,
+    with ``keep_codes``, the latents of every piece (else only one part's are ever held)."""
     out.mkdir(parents=True, exist_ok=True)
+    own = encoded is None
+    kept: Codes = {}
+    reconstruction: dict[str, float] = {}
     writer = ShardWriter(out, DEFAULT_SHARD_SIZE)
-    residual = {}
-    for key, key_layout in like.layout.items():
-        pieces = [(p.kind, p.layer) for p in key_layout.pieces]
-        tensor = key_layout.assemble([decoded[piece] for piece in pieces])
-        writer.write({key: tensor.to(originals[pieces[0]].dtype)})
-        if residuals:
-            original = key_layout.assemble([originals[piece].double() for piece in pieces])
-            residual[key] = (original - tensor).float()
+    latents = LatentWriter(out, autoencoder_path, residuals)
+    bar = tqdm(total=_parts(like), desc=f"encoding {like.view.folder.name}", disable=not progress)
+    for part in part_layouts(like.view.adapter, like.view):
+        codes = encoded
+        if own:  # every canonical tensor (a tied head too), for its reconstruction error
+            codes = {
+                (p.kind, p.layer): encode_tensor(autoencoder, NamedTensor(p.kind, p.layer, t))
+                for p, t in part.tensors.items()
+            }
+        used = {piece for layout in part.keys.values() for piece in layout.pieces}
+        decoded = {
+            piece: decode_tensor(autoencoder, codes[(piece.kind, piece.layer)])
+            for piece in (part.tensors if own else used)
+        }
+        if own:
+            for piece, tensor in part.tensors.items():
+                reconstruction[f"{piece.kind}@{piece.layer}"] = relative_error(
+                    tensor, decoded[piece]
+                )
+        for key, layout in part.keys.items():
+            tensor = layout.assemble([decoded[piece] for piece in layout.pieces])
+            writer.write({key: tensor.to(part.tensors[layout.pieces[0]].dtype)})
+            residual = None
+            if residuals:
+                original = layout.assemble([part.tensors[p].double() for p in layout.pieces])
+                residual = (original - tensor).float()
+            latents.write(key, [codes[(p.kind, p.layer)] for p in layout.pieces], residual)
+        if keep_codes and own:
+            kept.update(codes)
+        bar.update()
+    bar.close()
     writer.close()
+    latents.close()
     shutil.copy2(like.view.folder / "config.json", out / "config.json")
     copy_tagalong_files(like.view.folder, out)
-    write_latents(out, like.layout, encoded, autoencoder, residual)
+    check_prepared(out, autoencoder, like, residuals)
+    return kept, reconstruction
 
 
 def check_prepared(
-    out: Path,
-    autoencoder: WeightAutoencoder,
-    layout: dict[str, KeyLayout],
-    originals: dict[tuple[str, int], torch.Tensor],
-    residuals: bool,
+    out: Path, autoencoder: WeightAutoencoder, like: LatentInput, residuals: bool
 ) -> None:
-    """Read the prepared folder back: every tensor decoded from the stored latents (as the
-    merge method will) must be the stored decode, and decode + residual the original."""
+    """Read the prepared folder back, part by part of ``like``: every tensor decoded from the
+    stored latents (as the merge method will) must be the stored decode, and decode + residual
+    ``like``'s original."""
     store = LatentStore(out)
     written = CheckpointReader(out)
-    for key, key_layout in layout.items():
-        latents, stats = store.get(key)
-        decoded = decode_key(autoencoder, key_layout, latents[0], stats)
-        stored = written.get(key)  # in the input's dtype: compare at that precision
-        error = _distance(stored.double(), decoded.to(stored.dtype).double())
-        if residuals:
-            pieces = [originals[(p.kind, p.layer)].double() for p in key_layout.pieces]
-            rebuilt = decoded + store.residual(key).double()
-            error = max(error, _distance(key_layout.assemble(pieces), rebuilt))
-        if not error <= READ_BACK_TOLERANCE:
-            raise LmcError(
-                f"self-check failed: {key!r} decoded from the written latents is {error:.1e} "
-                f"(relative) away from what the pass decoded; nothing was kept"
-            )
+    for part in part_layouts(like.view.adapter, like.view):
+        for key, key_layout in part.keys.items():
+            latents, stats = store.get(key)
+            decoded = decode_key(autoencoder, key_layout, latents[0], stats)
+            stored = written.get(key)  # in the input's dtype: compare at that precision
+            error = _distance(stored.double(), decoded.to(stored.dtype).double())
+            if residuals:
+                pieces = [part.tensors[p].double() for p in key_layout.pieces]
+                rebuilt = decoded + store.residual(key).double()
+                error = max(error, _distance(key_layout.assemble(pieces), rebuilt))
+            if not error <= READ_BACK_TOLERANCE:
+                raise LmcError(
+                    f"self-check failed: {key!r} decoded from the written latents is "
+                    f"{error:.1e} (relative) away from what the pass decoded; nothing was kept"
+                )
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:

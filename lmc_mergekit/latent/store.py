@@ -1,80 +1,96 @@
 """A prepared model's latents on disk, named after the output checkpoint's tensors.
 
-``latents/latents.safetensors`` in a prepared folder holds, for every checkpoint key, the
-posterior mean and log-variance of the chunks of the canonical pieces that key is built from
-(``(2, chunks, latent)``, pieces in layout order) and each piece's normalisation
-(``(pieces, 2)``: mean, std), and, for inputs whose weights have the output's shape, the
-tensor's reconstruction residual (original − decoded). Its metadata names the autoencoder
-that encoded them. The ``ls_merge`` method reads it key by key inside mergekit's executor.
+``latents/`` in a prepared folder holds sharded safetensors with, for every checkpoint key,
+the posterior mean and log-variance of the chunks of the canonical pieces that key is built
+from (``(2, chunks, latent)``, pieces in layout order) and each piece's normalisation
+(``(pieces, 2)``: mean, std); ``latents/autoencoder.json`` names the autoencoder that encoded
+them. For inputs whose weights have the output's shape, ``latents/residuals/`` holds each
+tensor's reconstruction residual (original − decoded). Both are written key by key while the
+model is encoded (:class:`LatentWriter`), and the ``ls_merge`` method reads them key by key
+inside mergekit's executor.
 """
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.codec import EncodedTensor
-from lmc_mergekit.models.layout import KeyLayout
+from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
+from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter
 
-LATENT_FILE = Path("latents") / "latents.safetensors"
+LATENT_FOLDER = Path("latents")
+AUTOENCODER_NOTE = LATENT_FOLDER / "autoencoder.json"
+RESIDUAL_FOLDER = LATENT_FOLDER / "residuals"
 STATS_PREFIX = "normalisation::"
-RESIDUAL_PREFIX = "residual::"
 
 
-def write_latents(
-    folder: Path,
-    layouts: dict[str, KeyLayout],
-    encoded: dict[tuple[str, int], EncodedTensor],
-    autoencoder: Path,
-    residuals: dict[str, torch.Tensor],
-) -> None:
-    """Write the latents of every key of ``layouts`` from the encoded pieces ``encoded``, and
-    the ``residuals`` given (by key)."""
-    tensors = {}
-    for key, layout in layouts.items():
-        parts = [encoded[(piece.kind, piece.layer)] for piece in layout.pieces]
+class LatentWriter:
+    """Writes the latents (and, with ``residuals``, the residuals) of a prepared folder."""
+
+    def __init__(self, folder: Path, autoencoder: Path, residuals: bool):
+        self._latents = ShardWriter(folder / LATENT_FOLDER, DEFAULT_SHARD_SIZE)
+        self._residuals = (
+            ShardWriter(folder / RESIDUAL_FOLDER, DEFAULT_SHARD_SIZE) if residuals else None
+        )
+        self._note = folder / AUTOENCODER_NOTE
+        self._autoencoder = autoencoder
+
+    def write(
+        self, key: str, parts: list[EncodedTensor], residual: torch.Tensor | None = None
+    ) -> None:
+        """The latents of ``key`` from its pieces' ``parts`` (layout order), and its residual."""
         mean = torch.cat([part.mean.float().cpu() for part in parts])
         log_var = torch.cat([part.log_var.float().cpu() for part in parts])
-        tensors[key] = torch.stack([mean, log_var]).contiguous()
-        tensors[STATS_PREFIX + key] = torch.tensor(
-            [[part.norm.mean, part.norm.std] for part in parts], dtype=torch.float64
+        stats = [[part.norm.mean, part.norm.std] for part in parts]
+        self._latents.write(
+            {
+                key: torch.stack([mean, log_var]),
+                STATS_PREFIX + key: torch.tensor(stats, dtype=torch.float64),
+            }
         )
-    for key, residual in residuals.items():
-        tensors[RESIDUAL_PREFIX + key] = residual.contiguous()
-    path = folder / LATENT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"autoencoder": str(autoencoder)})
+        if residual is not None and self._residuals is not None:
+            self._residuals.write({key: residual})
+
+    def close(self) -> None:
+        """Flush both and name the autoencoder."""
+        self._latents.close()
+        if self._residuals is not None:
+            self._residuals.close()
+        self._note.write_text(json.dumps({"autoencoder": str(self._autoencoder)}))
 
 
 class LatentStore:
     """Read access to the latents of one prepared folder."""
 
     def __init__(self, folder: Path):
-        path = folder / LATENT_FILE
-        if not path.is_file():
+        if not (folder / AUTOENCODER_NOTE).is_file():
             raise LmcError(
-                f"{folder} holds no latents ({LATENT_FILE}); run the recipe with "
+                f"{folder} holds no latents ({AUTOENCODER_NOTE}); run the recipe with "
                 "lmc-mergekit-yaml so that ls_merge's pre-merge pass writes them"
             )
-        self._file = safe_open(str(path), "pt")
-        self.autoencoder = Path((self._file.metadata() or {})["autoencoder"])
+        note = json.loads((folder / AUTOENCODER_NOTE).read_text())
+        self.autoencoder = Path(note["autoencoder"])
+        self._latents = CheckpointReader(folder / LATENT_FOLDER)
+        residuals = folder / RESIDUAL_FOLDER
+        self._residuals = CheckpointReader(residuals) if residuals.is_dir() else None
 
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean and log-variance ``(2, chunks, latent)`` and normalisations of
         ``key``."""
-        if key not in self._file.keys():
+        if not self._latents.has(key):
             raise LmcError(f"the prepared latents hold no tensor {key!r}")
-        return self._file.get_tensor(key), self._file.get_tensor(STATS_PREFIX + key)
+        return self._latents.get(key), self._latents.get(STATS_PREFIX + key)
 
     def residual(self, key: str) -> torch.Tensor | None:
         """The reconstruction residual of ``key`` (None for a transported source)."""
-        name = RESIDUAL_PREFIX + key
-        return self._file.get_tensor(name) if name in self._file.keys() else None
+        if self._residuals is None:
+            return None
+        return self._residuals.get(key, optional=True)
 
 
 @cache

@@ -10,6 +10,7 @@ checkpoint tensor from canonical pieces without knowing a single key name.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,51 +49,64 @@ class KeyLayout:
         return torch.cat([flat.reshape(-1) for flat in flats])[self.index.to(flats[0].device)]
 
 
-def checkpoint_layout(adapter, view: ModelView) -> dict[str, KeyLayout]:
-    """The layout of every tensor the adapter writes for ``view``, checked on the real weights:
-    assembling the view's own tensors must give exactly what the adapter writes."""
+@dataclass(frozen=True)
+class PartLayout:
+    """One part of a model (its embeddings, a block or its head) as read: its canonical tensors
+    by piece, and the layout of every checkpoint key the adapter builds from them."""
+
+    tensors: dict[Piece, torch.Tensor]
+    keys: dict[str, KeyLayout]
+
+
+def part_layouts(adapter, view: ModelView) -> Iterator[PartLayout]:
+    """The model part by part (one in memory at a time), each with the layouts of its keys,
+    checked on the real weights: assembling the part's own tensors must give exactly what the
+    adapter writes. No key is built from two parts."""
     spec = view.spec
+    yield _part_layout(
+        adapter, view.embeddings(), "embeddings.", OUTSIDE_BLOCKS, adapter.embeddings_tensors, spec
+    )
+    for index in range(spec.num_layers):
+        yield _part_layout(
+            adapter, view.block(index), "", index, adapter.block_tensors, spec, index
+        )
+    yield _part_layout(adapter, view.head(), "head.", OUTSIDE_BLOCKS, adapter.head_tensors, spec)
+
+
+def _part_layout(adapter, part, prefix: str, layer: int, write, *args) -> PartLayout:
+    """``part``'s layouts; ``write(part, *args)`` is the adapter's writer of that part."""
     pieces: list[Piece] = []
     starts: list[int] = []
     values: dict[Piece, torch.Tensor] = {}
-    layouts: dict[str, KeyLayout] = {}
 
-    def marked(part, prefix: str, layer: int):
-        def mark(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            start = starts[-1] + pieces[-1].numel if pieces else 0
-            pieces.append(Piece(prefix + name, layer, tuple(tensor.shape)))
-            starts.append(start)
-            values[pieces[-1]] = tensor
-            return torch.arange(start, start + tensor.numel(), dtype=torch.float64).reshape(
-                tensor.shape
-            )
-
-        return map_named_tensors(part, mark)
-
-    def add(real: dict[str, torch.Tensor], markers: dict[str, torch.Tensor]) -> None:
-        for key, marker in markers.items():
-            layouts[key] = _key_layout(key, marker, pieces, starts)
-            rebuilt = layouts[key].assemble([values[piece] for piece in layouts[key].pieces])
-            if not torch.equal(rebuilt, real[key]):
-                raise LmcError(
-                    f"{type(adapter).__name__} writes {key!r} as more than a rearrangement of "
-                    "canonical tensors; latent merging cannot rebuild it"
-                )
-
-    emb = view.embeddings()
-    add(
-        adapter.embeddings_tensors(emb, spec),
-        adapter.embeddings_tensors(marked(emb, "embeddings.", OUTSIDE_BLOCKS), spec),
-    )
-    for index in range(spec.num_layers):
-        block = view.block(index)
-        add(
-            adapter.block_tensors(block, spec, index),
-            adapter.block_tensors(marked(block, "", index), spec, index),
+    def mark(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        start = starts[-1] + pieces[-1].numel if pieces else 0
+        pieces.append(Piece(prefix + name, layer, tuple(tensor.shape)))
+        starts.append(start)
+        values[pieces[-1]] = tensor
+        return torch.arange(start, start + tensor.numel(), dtype=torch.float64).reshape(
+            tensor.shape
         )
-    head = view.head()
-    add(adapter.head_tensors(head, spec), adapter.head_tensors(marked(head, "head.", -1), spec))
-    return layouts
+
+    markers = write(map_named_tensors(part, mark), *args)
+    real = write(part, *args)
+    keys = {}
+    for key, marker in markers.items():
+        keys[key] = _key_layout(key, marker, pieces, starts)
+        rebuilt = keys[key].assemble([values[piece] for piece in keys[key].pieces])
+        if not torch.equal(rebuilt, real[key]):
+            raise LmcError(
+                f"{type(adapter).__name__} writes {key!r} as more than a rearrangement of "
+                "canonical tensors; latent merging cannot rebuild it"
+            )
+    return PartLayout(values, keys)
+
+
+def checkpoint_layout(adapter, view: ModelView) -> dict[str, KeyLayout]:
+    """The layout of every tensor the adapter writes for ``view`` (read part by part)."""
+    return {
+        key: layout for part in part_layouts(adapter, view) for key, layout in part.keys.items()
+    }
 
 
 def _key_layout(key, marker: torch.Tensor, pieces, starts) -> KeyLayout:

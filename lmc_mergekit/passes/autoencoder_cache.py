@@ -8,6 +8,7 @@ so a second recipe over the same models reuses one instead of training again.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, load_autoencoder, save_autoencoder
 from lmc_mergekit.latent.chunks import NamedTensor
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
+from lmc_mergekit.models.layout import Piece
 from lmc_mergekit.runtime.keys import content_key, fingerprint
 from lmc_mergekit.runtime.publish import staged_folder
 
@@ -27,7 +29,7 @@ RECORD_FILE = "training.json"
 def obtain_autoencoder(
     settings,
     models: list[Path],
-    tensors: list[NamedTensor],
+    tensors: Callable[[], list[NamedTensor]],
     cache_dir: Path,
     state_dir: Path,
     device: torch.device,
@@ -35,8 +37,8 @@ def obtain_autoencoder(
 ) -> tuple[Path, WeightAutoencoder, dict]:
     """The autoencoder's file, the model (on ``device``) and a record of where it came from:
     ``settings.autoencoder`` if given, else the cached one trained on ``models`` with these
-    ``settings`` (the ``latent:`` section), else a new one trained on ``tensors`` (resumable
-    from ``state_dir``) and cached."""
+    ``settings`` (the ``latent:`` section), else a new one trained on ``tensors()`` (read only
+    then; resumable from ``state_dir``) and cached."""
     if settings.autoencoder is not None:
         path = Path(settings.autoencoder).expanduser().absolute()
         return path, _load_given(path, device), {"source": "given", "path": str(path)}
@@ -68,9 +70,15 @@ def obtain_autoencoder(
         record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
         model = load_autoencoder(folder / AUTOENCODER_FILE, device)
         return folder / AUTOENCODER_FILE, model, {**record, "source": "cache"}
-    config = autoencoder_config_for(tensors, **sizes)
+    training_tensors = tensors()
+    config = autoencoder_config_for(training_tensors, **sizes)
     model, record = train_autoencoder(
-        tensors, config, training, device, progress, checkpoint=state_dir / f"autoencoder-{key}.pt"
+        training_tensors,
+        config,
+        training,
+        device,
+        progress,
+        checkpoint=state_dir / f"autoencoder-{key}.pt",
     )
     record = {
         **record,
@@ -102,7 +110,7 @@ def _load_given(path: Path, device: torch.device) -> WeightAutoencoder:
         ) from None
 
 
-def check_fits(autoencoder: WeightAutoencoder, tensors: list[NamedTensor], model: str) -> None:
+def check_fits(autoencoder: WeightAutoencoder, tensors: Iterable[Piece], model: str) -> None:
     """A one-line error unless ``autoencoder`` knows every kind and layer of ``tensors``."""
     config = autoencoder.config
     for named in tensors:

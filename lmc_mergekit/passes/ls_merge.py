@@ -18,6 +18,7 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.latent.chunks import model_tensors
 from lmc_mergekit.latent.prepare import LatentInput, prepare_latents, target_only_pieces
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.checkpoint import model_dir
@@ -280,20 +281,18 @@ def prepare(ctx: PassContext) -> LatentPreparation | None:
         for model in models[1:]:
             if model.moves_onto(models[0]):
                 target_only_pieces(models[0], model)
-    training = [t for model in models for t in model.tensors]
-    training += [t for view in extra for t in LatentInput.read(view).tensors]
     device = pass_device(ctx.options)
     path, autoencoder, record = obtain_autoencoder(
         settings,
         [view.folder for view in views + extra],
-        training,
+        lambda: [t for view in views + extra for t in model_tensors(view)],
         ctx.cache_dir,
         ctx.state_dir,
         device,
         ctx.progress,
     )
     for model in models:
-        check_fits(autoencoder, model.tensors, model.view.folder.name)
+        check_fits(autoencoder, model.canonical, model.view.folder.name)
     entries, transport = prepare_latents(
         autoencoder,
         path,
