@@ -15,8 +15,9 @@ serialised copy):
 - ``lmc_dm``: ``steps: 0`` (weight matching, writing both inputs, the self-check, the merge);
   also the seconds per weight-matching round and of writing + self-check;
 - ``subclone``: ``subclone_compensate`` to half the width and MLP (compensation on);
-- ``ls_merge``: encoding both inputs with an autoencoder trained for ``--ae-steps`` steps
-  (the encoding is what scales with the model; the autoencoder does not);
+- ``ls_merge``: encoding both inputs with an autoencoder given to the recipe (trained
+  beforehand on the pair for ``--ae-steps`` steps, in its own process: the measured pass is the
+  encoding, which is what scales with the model);
 - ``learn``: one learned-matching step (dual, every family) next to one plain training step
   (forward, backward, AdamW) of one model at the same batch, in one process each.
 
@@ -141,8 +142,38 @@ def recipe(kind: str, a: Path, b: Path, args) -> dict:
         "merge_method": "ls_merge",
         "models": both,
         "dtype": "float32",
-        "latent": {"steps": args.ae_steps, "evaluate": False, "noise_floor": False},
+        "latent": {
+            "autoencoder": str(autoencoder_for(a, b, args)),
+            "evaluate": False,
+            "noise_floor": False,
+        },
     }
+
+
+def autoencoder_for(a: Path, b: Path, args) -> Path:
+    """An autoencoder trained on the pair for ``--ae-steps`` steps (once, in a child)."""
+    path = a.parent / f"{a.name}-autoencoder-{args.ae_steps}.safetensors"
+    if not path.is_file():
+        command = [sys.executable, __file__, "ae-worker", str(a), str(b), str(path)]
+        subprocess.run([*command, "--ae-steps", str(args.ae_steps)], check=True)
+    return path
+
+
+def ae_worker(args) -> None:
+    """Train the autoencoder ``autoencoder_for`` names."""
+    from lmc_mergekit.latent.autoencoder import save_autoencoder
+    from lmc_mergekit.latent.chunks import model_tensors
+    from lmc_mergekit.latent.training import (
+        TrainingConfig,
+        autoencoder_config_for,
+        train_autoencoder,
+    )
+    from lmc_mergekit.models.adapters import open_model
+
+    tensors = [t for folder in (args.a, args.b) for t in model_tensors(open_model(folder))]
+    config = autoencoder_config_for(tensors)
+    model, _ = train_autoencoder(tensors, config, TrainingConfig(steps=args.ae_steps))
+    save_autoencoder(model, args.path)
 
 
 def run_measured(command: list[str]) -> tuple[float, float, str]:
@@ -247,6 +278,11 @@ def main() -> None:
     passes.add_argument("recipe", type=Path)
     passes.add_argument("run", type=Path)
     passes.add_argument("--cuda", action="store_true")
+    trainer = sub.add_parser("ae-worker")
+    trainer.add_argument("a", type=Path)
+    trainer.add_argument("b", type=Path)
+    trainer.add_argument("path", type=Path)
+    trainer.add_argument("--ae-steps", type=int, default=50)
     worker = sub.add_parser("step-worker")
     worker.add_argument("what", choices=["train", "align"])
     worker.add_argument("a")
@@ -259,6 +295,9 @@ def main() -> None:
         return
     if args.command == "pass-worker":
         pass_worker(args)
+        return
+    if args.command == "ae-worker":
+        ae_worker(args)
         return
     if args.command == "build-worker":
         build_worker(args.shape, args.work)

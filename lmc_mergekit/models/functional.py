@@ -37,7 +37,7 @@ def stock_module(config: PretrainedConfig, device: torch.device, trust_remote_co
 
 class FunctionalModel:
     """A stock ``transformers`` module of ``folder``'s architecture (embeddings untied, norms'
-    eps taken from ``spec``) whose weights come with every call."""
+    eps taken from ``spec``) whose block weights come with every call."""
 
     def __init__(
         self,
@@ -49,6 +49,10 @@ class FunctionalModel:
     ):
         config = module_config(folder, adapter, spec, trust_remote_code)
         config.tie_word_embeddings = False
+        # The runs feed the residual stream in and stop after a block: the embeddings and the
+        # head are never used, so they are placeholders of a one-token vocabulary (a real one
+        # would cost vocabulary × width twice: 4.7 GB at Gemma 2's 256k × 2304).
+        config.vocab_size, config.pad_token_id = 1, None
         self.adapter, self.spec = adapter, spec
         self.module = stock_module(config, device, trust_remote_code)
         self.device = device
