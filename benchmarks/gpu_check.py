@@ -99,7 +99,8 @@ def main() -> None:
         }
         path = args.work / "nccl.yml"
         path.write_text(yaml.safe_dump(recipe))
-        command = ["torchrun", "--nproc_per_node", "1", "--no-python", "lmc-mergekit-yaml"]
+        command = ["torchrun", "--standalone", "--nproc_per_node", "1", "--no-python"]
+        command += ["lmc-mergekit-yaml"]
         command += [str(path), str(args.work / "nccl-out"), "--cuda"]
         env = dict(os.environ, LMC_MERGEKIT_CACHE=str(args.work / "nccl-cache"))
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -123,7 +124,7 @@ def main() -> None:
     def scale_rows() -> None:
         a, b, params = build_pair(args.shape, args.work)
         fp32 = params * 4
-        scale_args = argparse.Namespace(ae_steps=50, batch=4, cuda=True)
+        scale_args = argparse.Namespace(ae_steps=50, batch=4, cuda=True, rounds=None)
         say(f"\n{args.shape}: {params / 1e6:.0f} M parameters, {fp32 / 1024**3:.2f} GB fp32")
         for kind in ("lmc_dm", "subclone", "ls_merge"):
             row = measure_pass(kind, a, b, fp32, args.work, scale_args)

@@ -355,6 +355,9 @@ def test_two_sharded_processes_learn_what_one_process_learns(trained_pair, tmp_p
     assert [record["processes"] for record in learning] == [1, 2]
     held = [record["endpoint_mib_per_process"] for record in learning]
     assert held[1] == pytest.approx(held[0] / 2, rel=0.02)  # each process held half
+    # One process holds every part whole; sharded, a part is gathered only while it runs.
+    assert learning[0]["parts_held_whole"] == learning[0]["parts"]
+    assert learning[1]["parts_held_whole"] == 1 < learning[1]["parts"]
     merged = [load_file(tmp_path / f / "model.safetensors") for f in ("one", "two")]
     for name, tensor in merged[0].items():
         torch.testing.assert_close(merged[1][name], tensor, atol=2e-5, rtol=1e-4)
@@ -412,3 +415,16 @@ def test_three_models_are_learned_into_one_basin(trained_pair, zoo_root, tmp_pat
     assert all(x < pair["raw"]["barrier"] for x, pair in zip(after, report["pairs"], strict=True))
     assert sum(after) < sum(matched), (matched, after)
     assert len(list((tmp_path / "cache" / "lmc_dm").glob("*/model-*"))) == 3
+
+
+def test_a_block_weight_the_adapter_leaves_out_is_refused(tiny_pair, monkeypatch):
+    ends, runner, _ = tiny_pair
+    written = runner.adapter.block_tensors
+
+    def without_first(block, spec, index):
+        return dict(list(written(block, spec, index).items())[1:])
+
+    monkeypatch.setattr(runner.adapter, "block_tensors", without_first)
+    residual = torch.zeros(1, 4, ends[0].spec.hidden_size)
+    with pytest.raises(LmcError, match="does not name the module's block weights"):
+        runner.output(ends[0].block(0), residual)

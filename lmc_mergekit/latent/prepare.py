@@ -203,7 +203,8 @@ def _write(
     reconstruction: dict[str, float] = {}
     writer = ShardWriter(out, DEFAULT_SHARD_SIZE)
     latents = LatentWriter(out, autoencoder_path, residuals)
-    bar = tqdm(total=_parts(like), desc=f"encoding {like.view.folder.name}", disable=not progress)
+    verb = "encoding" if own else "writing onto"
+    bar = tqdm(total=_parts(like), desc=f"{verb} {like.view.folder.name}", disable=not progress)
     for part in part_layouts(like.view.adapter, like.view):
         codes = encoded
         if own:  # every canonical tensor (a tied head too), for its reconstruction error

@@ -29,9 +29,7 @@ def best_permutation(
     """
     n = similarity.shape[0]
     if n <= CANDIDATES:  # every edge is a candidate: the dense solver, quicker at this size
-        rows, cols = linear_sum_assignment(similarity.numpy(), maximize=True)
-        perm = torch.as_tensor(cols, dtype=torch.long)
-        return perm, float(similarity[torch.as_tensor(rows), perm].sum())
+        return dense_permutation(similarity)
     current = torch.arange(n) if current is None else current
     top = similarity.topk(min(n, CANDIDATES), dim=1).indices
     edges = torch.cat([top, current[:, None]], dim=1) + n * torch.arange(n)[:, None]
@@ -47,6 +45,14 @@ def best_permutation(
     return perm, float(similarity[torch.arange(n), perm].sum())
 
 
+def dense_permutation(similarity: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The exact ``perm`` maximising ``Σ_i similarity[i, perm[i]]`` (scipy's dense solver), and
+    that maximum: for the small problems (heads, groups of heads)."""
+    rows, cols = linear_sum_assignment(similarity.numpy(), maximize=True)
+    perm = torch.as_tensor(cols, dtype=torch.long)
+    return perm, float(similarity[torch.as_tensor(rows), perm].sum())
+
+
 def match_heads(similarity: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Query-head permutation of B onto A from head similarities ``(H_A, H_B)``, GQA-aware:
     key/value groups are assigned as wholes (scored by their best within-group assignment),
@@ -55,10 +61,10 @@ def match_heads(similarity: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     g = h // num_kv_heads
     blocks = similarity.reshape(num_kv_heads, g, num_kv_heads, g).permute(0, 2, 1, 3)
     inner = [
-        [best_permutation(blocks[a, b]) for b in range(num_kv_heads)] for a in range(num_kv_heads)
+        [dense_permutation(blocks[a, b]) for b in range(num_kv_heads)] for a in range(num_kv_heads)
     ]
     group_scores = torch.tensor([[score for _, score in row] for row in inner], dtype=torch.float64)
-    group_perm, _ = best_permutation(group_scores)
+    group_perm, _ = dense_permutation(group_scores)
     return torch.cat([int(b) * g + inner[a][int(b)][0] for a, b in enumerate(group_perm)]).long()
 
 

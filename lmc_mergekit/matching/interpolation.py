@@ -89,7 +89,9 @@ class InterpolationObjective(nn.Module):
             if mesh is not None:
                 from torch.distributed.fsdp import fully_shard
 
-                fully_shard(module, mesh=mesh)
+                # Explicit: a module sharded on its own is a root, and FSDP keeps a root
+                # gathered after its forward unless told otherwise.
+                fully_shard(module, mesh=mesh, reshard_after_forward=True)
             return module
 
         # Read and (when sharded) shard one part at a time: no process holds a whole endpoint.
@@ -98,15 +100,29 @@ class InterpolationObjective(nn.Module):
             part([view.block(index) for view in endpoints]) for index in range(self.spec.num_layers)
         )
         self.head = part([view.head() for view in endpoints])
+        #: The most parts held whole at once while a part ran (forward or recomputation).
+        self.most_gathered = 0
+
+    def parts(self) -> list[EndpointPart]:
+        """The part modules, embeddings first."""
+        return [self.embeddings, *self.blocks, self.head]
+
+    def gathered(self) -> int:
+        """How many parts are held whole right now (all of them in one process; under FSDP,
+        those gathered at this moment)."""
+        return sum(not hasattr(next(m.parameters()), "to_local") for m in self.parts())
 
     def held_bytes(self) -> int:
         """Bytes of endpoint weights this process holds (its shard under FSDP)."""
         total = 0
-        for module in (self.embeddings, *self.blocks, self.head):
+        for module in self.parts():
             for param in module.parameters():
                 local = param.to_local() if hasattr(param, "to_local") else param
                 total += local.numel() * local.element_size()
         return total
+
+    def _note_gathered(self) -> None:
+        self.most_gathered = max(self.most_gathered, self.gathered())
 
     def _transforms(self) -> list[Transform | None]:
         learned = iter(self.symmetries)
@@ -122,17 +138,20 @@ class InterpolationObjective(nn.Module):
             return [p if t is None else action(p, t) for p, t in pairs]
 
         def embeddings(parts: list) -> torch.Tensor:
+            self._note_gathered()
             mixed = _mix(moved(parts, transform_embeddings), weights)
             return embed(mixed, input_ids, spec).float()
 
         def block(index: int) -> Callable:
             def run(parts: list, residual: torch.Tensor) -> torch.Tensor:
+                self._note_gathered()
                 act = lambda b, t: transform_block(b, spec, t, index)  # noqa: E731
                 return self.runner.output(_mix(moved(parts, act), weights), residual, index)
 
             return run
 
         def loss(parts: list, residual: torch.Tensor) -> torch.Tensor:
+            self._note_gathered()
             logits = final_logits(_mix(moved(parts, transform_head), weights), residual, spec)
             # transformers' causal-LM loss: every position predicts the next token.
             return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())

@@ -84,6 +84,9 @@ class LearningResult:
     #: Processes the endpoints were sharded over, and the endpoint MiB each one held.
     processes: int = 1
     endpoint_mib_per_process: float = 0.0
+    #: Of the model's parts (embeddings, blocks, head), the most held whole at once.
+    parts_held_whole: int = 0
+    parts: int = 0
 
     def summary(self) -> dict:
         """JSON-ready facts for the report."""
@@ -98,6 +101,8 @@ class LearningResult:
             "resumed_from_step": self.resumed_from,
             "processes": self.processes,
             "endpoint_mib_per_process": round(self.endpoint_mib_per_process, 3),
+            "parts_held_whole": self.parts_held_whole,
+            "parts": self.parts,
         }
 
 
@@ -228,6 +233,8 @@ def learn_symmetries(
         families=tuple(f for f in FAMILIES if any(s and f in s.families for s in learned)),
         processes=processes.world_size,
         endpoint_mib_per_process=objective.held_bytes() / 2**20,
+        parts_held_whole=objective.most_gathered,
+        parts=len(objective.parts()),
     )
 
 

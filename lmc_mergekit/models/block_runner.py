@@ -56,6 +56,10 @@ class _OneLayer(FunctionalModel):
         for role in ("attn_out", "mlp_out", "mlp_norm"):
             modules[adapter.block_modules[role]].register_forward_pre_hook(self._reader(role))
         modules[adapter.block_modules["block"]].register_forward_hook(self._after_block)
+        # Every weight of the block must come with the call: one left out would silently run
+        # the module's random placeholder.
+        prefix = adapter.block_modules["block"] + "."
+        self._block_weights = {n for n, _ in self.module.named_parameters() if n.startswith(prefix)}
         # Positions are already in the residual stream that is fed in: learned ones are zeroed.
         self._positions = None
         if spec.learned_positions:
@@ -84,6 +88,13 @@ class _OneLayer(FunctionalModel):
             self.adapter.module_names.get(k, k): t.to(self.device, torch.float32)
             for k, t in tensors.items()
         }
+        missing = self._block_weights - state.keys()
+        if missing:
+            raise LmcError(
+                f"the {self.spec.architecture} adapter does not name the module's block weights "
+                f"({', '.join(sorted(missing)[:3])}); this architecture cannot be run block by "
+                "block"
+            )
         if self._positions is not None:
             state.update(self._positions)
         return state

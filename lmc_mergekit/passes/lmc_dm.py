@@ -160,6 +160,8 @@ class LearningRecord(Record):
     resumed_from_step: int | None
     processes: int = 1
     endpoint_mib_per_process: float = 0.0
+    parts_held_whole: int = 0
+    parts: int = 0
     losses: list[float]
 
 

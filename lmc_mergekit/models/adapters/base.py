@@ -123,17 +123,6 @@ class Adapter(ABC):
         time, as size conversion does; None when they can."""
         return None
 
-    def module_state(self, parts: tuple[Embeddings, list[Block], Head], spec: ModelSpec) -> dict:
-        """The tensors of a model in canonical parts, named as the ``transformers`` module's
-        state dict names them (the head untied)."""
-        emb, blocks, head = parts
-        untied = replace(spec, tied_embeddings=False)
-        tensors = self.embeddings_tensors(emb, spec)
-        for index, block in enumerate(blocks):
-            tensors.update(self.block_tensors(block, spec, index))
-        tensors.update(self.head_tensors(head, untied))
-        return {self.module_names.get(k, k): t for k, t in tensors.items() if t is not None}
-
     # ---- shared machinery -------------------------------------------------------------
 
     def open(self, folder: Path, config: PretrainedConfig) -> CheckpointView:
