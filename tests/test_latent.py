@@ -88,6 +88,21 @@ def test_one_tensor_encodes_and_decodes_alone_and_the_model_saves(tensors, train
     assert torch.equal(decode_tensor(loaded, encode_tensor(loaded, named)), decoded)
 
 
+def test_a_tensor_encodes_and_decodes_the_same_in_batches_of_windows(tensors, trained, monkeypatch):
+    from lmc_mergekit.latent import codec
+
+    model, _ = trained
+    named = max(tensors, key=lambda t: t.tensor.numel())
+    whole = encode_tensor(model, named)
+    decoded = decode_tensor(model, whole)
+    monkeypatch.setattr(codec, "WINDOW_BATCH", 3)
+    assert len(codec._batches(codec.Windows.of(torch.zeros(200, 16), 16))) == 5
+    batched = encode_tensor(model, named)
+    torch.testing.assert_close(batched.mean, whole.mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched.log_var, whole.log_var, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_tensor(model, whole), decoded, atol=1e-5, rtol=1e-5)
+
+
 def test_tensors_the_autoencoder_cannot_encode_are_refused(trained):
     model, _ = trained
     with pytest.raises(LmcError, match=r"not trained on tensors of kind 'attn\.qq'"):

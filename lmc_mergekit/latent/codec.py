@@ -9,6 +9,9 @@ import torch
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, Windows
 from lmc_mergekit.latent.chunks import NamedTensor, Normalisation, from_chunks, to_chunks
 
+#: Windows the autoencoder runs at once when encoding or decoding one tensor.
+WINDOW_BATCH = 2048
+
 
 @dataclass(frozen=True)
 class EncodedTensor:
@@ -29,7 +32,11 @@ def encode_tensor(model: WeightAutoencoder, named: NamedTensor) -> EncodedTensor
     device = model.chunk_in.weight.device
     windows = Windows.of(chunks.to(device), model.config.window)
     kinds, layers = model.tags(named.kind, named.layer, windows.chunks.shape[0])
-    mean, log_var = model.encode(kinds, layers, windows)
+    posteriors = [
+        model.encode(kinds[part], layers[part], windows[part]) for part in _batches(windows)
+    ]
+    mean = torch.cat([mean for mean, _ in posteriors])
+    log_var = torch.cat([log_var for _, log_var in posteriors])
     return EncodedTensor(
         named.kind, named.layer, windows.flatten(mean), windows.flatten(log_var), norm
     )
@@ -52,8 +59,20 @@ def decode_latents(
     device = model.chunk_in.weight.device
     windows = Windows.of(latents.float().to(device), model.config.window)
     kinds, layers = model.tags(kind, layer, windows.chunks.shape[0])
-    chunks = model.decode(kinds, layers, windows.chunks, windows)
+    chunks = torch.cat(
+        [
+            model.decode(kinds[part], layers[part], windows.chunks[part], windows[part])
+            for part in _batches(windows)
+        ]
+    )
     return from_chunks(windows.flatten(chunks).cpu(), norm)
+
+
+def _batches(windows: Windows) -> list[slice]:
+    """Windows are independent: a large tensor runs in batches of :data:`WINDOW_BATCH`, so that
+    the autoencoder's activations stay a fixed size however large the tensor."""
+    count = windows.chunks.shape[0]
+    return [slice(start, start + WINDOW_BATCH) for start in range(0, count, WINDOW_BATCH)]
 
 
 def relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:

@@ -27,16 +27,17 @@ LATENT_FOLDER = Path("latents")
 AUTOENCODER_NOTE = LATENT_FOLDER / "autoencoder.json"
 RESIDUAL_FOLDER = LATENT_FOLDER / "residuals"
 STATS_PREFIX = "normalisation::"
+#: Shards of latents and residuals: written alongside the decoded checkpoint, so three writers
+#: each hold a shard being filled; smaller ones keep that sum near one prepared shard.
+SHARD_SIZE = DEFAULT_SHARD_SIZE // 4
 
 
 class LatentWriter:
     """Writes the latents (and, with ``residuals``, the residuals) of a prepared folder."""
 
     def __init__(self, folder: Path, autoencoder: Path, residuals: bool):
-        self._latents = ShardWriter(folder / LATENT_FOLDER, DEFAULT_SHARD_SIZE)
-        self._residuals = (
-            ShardWriter(folder / RESIDUAL_FOLDER, DEFAULT_SHARD_SIZE) if residuals else None
-        )
+        self._latents = ShardWriter(folder / LATENT_FOLDER, SHARD_SIZE)
+        self._residuals = ShardWriter(folder / RESIDUAL_FOLDER, SHARD_SIZE) if residuals else None
         self._note = folder / AUTOENCODER_NOTE
         self._autoencoder = autoencoder
 
