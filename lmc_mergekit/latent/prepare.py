@@ -30,7 +30,7 @@ from lmc_mergekit.latent.tensor_merge import decode_key
 from lmc_mergekit.models.adapters import CheckpointView
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
-from lmc_mergekit.models.layout import Piece, part_layouts
+from lmc_mergekit.models.layout import PartLayout, Piece, part_layouts
 
 # The decoded weights must match the stored latents' decode this closely (relative).
 READ_BACK_TOLERANCE = 1e-5
@@ -169,12 +169,24 @@ def _encode(
     parts = part_layouts(model.view.adapter, model.view)
     name = model.view.folder.name
     for part in tqdm(parts, desc=f"encoding {name}", total=_parts(model), disable=not progress):
-        for piece, tensor in part.tensors.items():
-            code = encode_tensor(autoencoder, NamedTensor(piece.kind, piece.layer, tensor))
-            decoded = decode_tensor(autoencoder, code)
-            encoded[(piece.kind, piece.layer)] = code
-            reconstruction[f"{piece.kind}@{piece.layer}"] = relative_error(tensor, decoded)
+        codes, _, errors = _encode_part(autoencoder, part)
+        encoded.update(codes)
+        reconstruction.update(errors)
     return encoded, reconstruction
+
+
+def _encode_part(
+    autoencoder: WeightAutoencoder, part: PartLayout
+) -> tuple[Codes, dict[Piece, torch.Tensor], dict[str, float]]:
+    """Every canonical tensor of ``part`` (a tied head too) encoded, decoded, and each one's
+    reconstruction error."""
+    codes = {
+        (p.kind, p.layer): encode_tensor(autoencoder, NamedTensor(p.kind, p.layer, t))
+        for p, t in part.tensors.items()
+    }
+    decoded = {p: decode_tensor(autoencoder, codes[(p.kind, p.layer)]) for p in part.tensors}
+    errors = {f"{p.kind}@{p.layer}": relative_error(t, decoded[p]) for p, t in part.tensors.items()}
+    return codes, decoded, errors
 
 
 def _parts(model: LatentInput) -> int:
@@ -206,22 +218,13 @@ def _write(
     verb = "encoding" if own else "writing onto"
     bar = tqdm(total=_parts(like), desc=f"{verb} {like.view.folder.name}", disable=not progress)
     for part in part_layouts(like.view.adapter, like.view):
-        codes = encoded
-        if own:  # every canonical tensor (a tied head too), for its reconstruction error
-            codes = {
-                (p.kind, p.layer): encode_tensor(autoencoder, NamedTensor(p.kind, p.layer, t))
-                for p, t in part.tensors.items()
-            }
-        used = {piece for layout in part.keys.values() for piece in layout.pieces}
-        decoded = {
-            piece: decode_tensor(autoencoder, codes[(piece.kind, piece.layer)])
-            for piece in (part.tensors if own else used)
-        }
         if own:
-            for piece, tensor in part.tensors.items():
-                reconstruction[f"{piece.kind}@{piece.layer}"] = relative_error(
-                    tensor, decoded[piece]
-                )
+            codes, decoded, errors = _encode_part(autoencoder, part)
+            reconstruction.update(errors)
+        else:
+            codes = encoded
+            used = {piece for layout in part.keys.values() for piece in layout.pieces}
+            decoded = {p: decode_tensor(autoencoder, codes[(p.kind, p.layer)]) for p in used}
         for key, layout in part.keys.items():
             tensor = layout.assemble([decoded[piece] for piece in layout.pieces])
             writer.write({key: tensor.to(part.tensors[layout.pieces[0]].dtype)})
