@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+# Nothing the tests run may reach the Hub; huggingface_hub reads this once, when imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
 from pathlib import Path
 
 import pytest

@@ -27,6 +27,10 @@ class Section(BaseModel):
     merge_only: ClassVar[tuple[str, ...]] = ()
     #: Keys that only steer the measurement after the merge.
     measure_only: ClassVar[tuple[str, ...]] = ()
+    #: Keys naming models (a path or a Hub id, or a list of them), and whether the pass reads
+    #: their weights (``True``) or only their config.json (``False``): the pipeline resolves
+    #: Hub ids among them as it resolves the recipe's models.
+    model_keys: ClassVar[dict[str, bool]] = {}
 
     def preparation_settings(self) -> dict:
         """The settings that change the prepared checkpoints (part of their cache key)."""

@@ -17,3 +17,16 @@ def pass_device(options: MergeOptions) -> torch.device:
     if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
         return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     return device
+
+
+def with_default_device(
+    options: MergeOptions, device_given: bool, gpu_available: bool | None = None
+) -> MergeOptions:
+    """``options`` for a plugin recipe: the device the user chose, else the GPU when there is
+    one (``gpu_available``, asked of torch when None). mergekit's option validator turns an
+    absent ``--device`` into ``cpu``, so only the caller can tell "not given" from "cpu"."""
+    if device_given:
+        return options
+    if gpu_available is None:
+        gpu_available = torch.cuda.is_available()
+    return options.model_copy(update={"device": "cuda" if gpu_available else "cpu"})

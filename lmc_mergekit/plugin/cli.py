@@ -98,10 +98,21 @@ def mergekit_yaml_main(
 
     merge_options.apply_global_options()
     out = run_recipe_file(
-        config_file, out_path, merge_options, lmc_cache or default_cache_dir(), overwrite
+        config_file,
+        out_path,
+        merge_options,
+        lmc_cache or default_cache_dir(),
+        overwrite,
+        device_given=_given(click.get_current_context(), "device", "cuda", "gpu_rich"),
     )
     if not merge_options.quiet and launcher_rank() == 0:
         click.echo(f"merged model written to {out}")
+
+
+def _given(ctx: click.Context, *names: str) -> bool:
+    """Whether the command line set any of the options ``names`` (not their defaults)."""
+    default = click.core.ParameterSource.DEFAULT
+    return any(ctx.get_parameter_source(name) not in (default, None) for name in names)
 
 
 @click.group("lmc-mergekit")
@@ -206,6 +217,7 @@ def _transform_and_report(model, out, transform, overwrite, trust_remote_code) -
 @click.option("--batch-size", type=int, default=16, show_default=True, help="Sequences per step")
 @click.option("--lr", type=float, default=None, help="Peak learning rate [default: 6e-3]")
 @click.option("--warmup", type=int, default=None, help="Warm-up steps [default: 100]")
+@click.option("--tied", is_flag=True, help="Tie the LM head to the token embeddings")
 @one_line_errors
 def zoo_command(
     out: Path,
@@ -221,6 +233,7 @@ def zoo_command(
     batch_size: int,
     lr: float | None,
     warmup: int | None,
+    tied: bool,
 ) -> None:
     """Train small language models from scratch into OUT, one per seed (reused if there).
 
@@ -248,6 +261,7 @@ def zoo_command(
             batch_size=batch_size,
             lr=DEFAULT_LR if lr is None else lr,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
+            tied=tied,
         )
         info = read_zoo_info(path)
         record = info["training"]

@@ -70,14 +70,15 @@ def is_hub_id(path: str) -> bool:
     return True
 
 
-def check_models(config: MergeConfiguration, local_only: bool) -> None:
-    """A one-line error for a model that is neither a readable local checkpoint nor (unless
-    ``local_only``) a Hub id mergekit can fetch; LoRA adapters are left to mergekit."""
+def check_models(config: MergeConfiguration) -> None:
+    """A one-line error for a model that is neither a readable local checkpoint nor a Hub id
+    mergekit can fetch (what a built-in method's recipe names; LoRA adapters are left to
+    mergekit)."""
     for ref in references(config):
         path = ref.model.path
         if Path(path).expanduser().exists():
             check_checkpoint(model_dir(path))
-        elif local_only or not is_hub_id(path):
+        elif not is_hub_id(path):
             model_dir(path)  # the one-line error for a path that does not exist
 
 
@@ -94,8 +95,8 @@ def expand_home(config: MergeConfiguration) -> MergeConfiguration:
 
 
 def plugin_inputs(config: MergeConfiguration, method: str) -> list[Path]:
-    """The distinct local checkpoint folders a plugin recipe merges, in recipe order (the base
-    model first)."""
+    """The distinct checkpoint folders a plugin recipe merges, in recipe order (the base model
+    first); ``config``'s models are local folders (see :mod:`lmc_mergekit.plugin.resolve`)."""
     if config.slices or config.modules or not config.models:
         raise LmcError(
             f"{method} recipes list whole models under 'models:'; slices are not supported"
@@ -105,8 +106,6 @@ def plugin_inputs(config: MergeConfiguration, method: str) -> list[Path]:
         refs.insert(0, config.base_model)
     paths: list[Path] = []
     for ref in refs:
-        if ref.lora is not None:
-            raise LmcError(f"{method} does not take LoRA inputs ({ref}); merge the adapter first")
         path = model_dir(ref.model.path)
         if path not in paths:
             paths.append(path)

@@ -25,6 +25,7 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
+from lmc_mergekit.latent.store import open_store
 from lmc_mergekit.latent.tensor_merge import merge_key
 from lmc_mergekit.runtime.provenance import prepared_by
 
@@ -84,7 +85,8 @@ class LatentMerge(PreparedInputMerge):
     ``samples`` posterior draws), averaged with the inputs' weights, decoded by the
     autoencoder that encoded them (plus the inputs' averaged reconstruction residuals unless
     ``residuals`` is false). The tensors mergekit loads (each input's own encode–decode)
-    only fix the output's shape and dtype."""
+    only fix the output's shape and dtype; those with no latents (outside the canonical
+    view: a vision tower) are the inputs' weighted average."""
 
     extra_parameters: ClassVar[tuple[ParameterSpec, ...]] = (
         ParameterSpec("samples", int, ParameterScope.SHARED, default=0),
@@ -103,14 +105,18 @@ class LatentMerge(PreparedInputMerge):
         residuals: bool,
     ) -> torch.Tensor:
         like = group.entries[0].tensor
+        folders = [entry.id.model.path for entry in group.entries]
+        if not any(open_store(folder).has(group.metadata.name) for folder in folders):
+            return super().merge_group(group, weight=weight, normalize=normalize)
         merged = merge_key(
             group.metadata.name,
-            [entry.id.model.path for entry in group.entries],
+            folders,
             list(weight.values_for(group.entries)),
             normalize,
             samples,
             seed,
             residuals,
             like.device,
+            like.dtype,
         )
         return merged.to(device=like.device, dtype=like.dtype)

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergekit.config import MergeConfiguration
@@ -24,9 +24,10 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import first_non_finite, model_dir
 from lmc_mergekit.passes.base import Compared, Comparison, MeasureContext, PassContext, Section
-from lmc_mergekit.passes.device import pass_device
+from lmc_mergekit.passes.device import pass_device, with_default_device
 from lmc_mergekit.passes.text import Split, load_test_split
 from lmc_mergekit.plugin.cache import (
     ARTEFACTS_DIR,
@@ -40,11 +41,11 @@ from lmc_mergekit.plugin.inputs import (
     check_models,
     expand_home,
     plugin_inputs,
-    references,
     with_prepared,
 )
 from lmc_mergekit.plugin.methods import PluginMethod
 from lmc_mergekit.plugin.recipe import Recipe, read_recipe
+from lmc_mergekit.plugin.resolve import LocalModels, resolve_models
 from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
 from lmc_mergekit.runtime.provenance import write_provenance
 from lmc_mergekit.runtime.publish import check_output_free, staged_folder
@@ -75,37 +76,41 @@ def run_recipe_file(
     options: MergeOptions,
     cache_dir: Path,
     overwrite: bool = False,
+    device_given: bool = True,
 ) -> Path:
-    """Run a recipe file into ``out`` (written in a staging folder, renamed on success)."""
+    """Run a recipe file into ``out`` (written in a staging folder, renamed on success). A
+    plugin recipe's pass runs on the GPU when there is one unless ``device_given`` (the
+    command line chose ``--device`` or ``--cuda``); ``options`` as given otherwise."""
     recipe = read_recipe(recipe_path)
     out = Path(out).expanduser().absolute()
     cache_dir = Path(cache_dir).expanduser().absolute()
     existing = "replace" if overwrite else "refuse"
     check_output_free(out, overwrite)  # in every process of a launcher, before any of them works
-    check_models(recipe.config, local_only=recipe.method is not None)
     if recipe.method is None:
+        check_models(recipe.config)
         if launcher_rank() == 0:  # a built-in merge runs once, even under a launcher
             with staged_folder(out, existing) as folder:
                 merge(recipe.config, folder, options)
                 if options.write_model_card:
                     write_card(folder, recipe, out.name)
         return out
-    base = recipe.config.base_model
-    recipe.settings.check_inputs(
-        plugin_inputs(recipe.config, recipe.method.name),
+    options = with_default_device(options, device_given)
+    local = resolve_models(recipe.config, recipe.settings, options, cache_dir)
+    work = replace(recipe, config=local.config, settings=local.settings)
+    base = work.config.base_model
+    work.settings.check_inputs(
+        plugin_inputs(work.config, recipe.method.name),
         None if base is None else model_dir(base.model.path),
         options.trust_remote_code,
     )
     procs = processes(pass_device(options))
     try:
         if not procs.is_main:  # the other processes of a launcher only help with the pass
-            load_test = lazy_test_split(recipe)
-            prepare(
-                recipe.method, recipe.settings, recipe.config, options, cache_dir, procs, load_test
-            )
+            load_test = lazy_test_split(work)
+            prepare(recipe.method, work.settings, work.config, options, cache_dir, procs, load_test)
             return out
         with staged_folder(out, existing) as folder:
-            run_plugin_recipe(recipe, folder, out.name, options, cache_dir, procs)
+            run_plugin_recipe(recipe, local, folder, out.name, options, cache_dir, procs)
         return out
     finally:
         close_processes()
@@ -113,23 +118,25 @@ def run_recipe_file(
 
 def run_plugin_recipe(
     recipe: Recipe,
+    local: LocalModels,
     folder: Path,
     name: str,
     options: MergeOptions,
     cache_dir: Path,
     procs: Processes | None = None,
 ) -> None:
-    """The plugin recipe's merge, report and card in ``folder`` (the output's name ``name``)."""
-    method, settings = recipe.method, recipe.settings
+    """The plugin recipe's merge, report and card in ``folder`` (the output's name ``name``):
+    everything runs on the recipe's ``local`` folders, the card quotes the recipe as written."""
+    work = replace(recipe, config=local.config, settings=local.settings)
+    method, settings = work.method, work.settings
     procs = procs or Processes()
-    load_test = lazy_test_split(recipe)
-    prepared = prepare(method, settings, recipe.config, options, cache_dir, procs, load_test)
-    merge_prepared(recipe.config, settings, prepared, folder, options)
-    report = measure(recipe, prepared, folder, load_test, options, cache_dir)
+    load_test = lazy_test_split(work)
+    prepared = prepare(method, settings, work.config, options, cache_dir, procs, load_test)
+    merge_prepared(work.config, settings, prepared, folder, options)
+    report = measure(work, prepared, folder, load_test, options, cache_dir)
     if options.write_model_card:
-        written = {model_dir(r.model.path): r.model.path for r in _local(recipe.config)}
         rows = {
-            written.get(source, str(source)): str(target.relative_to(cache_dir))
+            local.written.get(source, str(source)): str(target.relative_to(cache_dir))
             for source, target in zip(prepared.inputs, prepared.folders, strict=True)
         }
         write_card(folder, recipe, name, rows, report)
@@ -160,14 +167,15 @@ def launcher_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _local(config: MergeConfiguration):
-    return [ref for ref in references(config) if Path(ref.model.path).expanduser().exists()]
-
-
 def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> None:
     """mergekit's executor into ``folder`` (the card is the caller's), then every merged tensor
-    checked: nothing non-finite is ever kept."""
-    no_card = options.model_copy(update={"write_model_card": False})
+    checked: nothing non-finite is ever kept. Unless the user set ``--out-shard-size``, the
+    output is written in shards of the size prepared checkpoints use: mergekit's own default
+    (5 GB) holds a whole merged model of today's sizes in one shard plus its serialised copy."""
+    update: dict = {"write_model_card": False}
+    if options.out_shard_size == MergeOptions.model_fields["out_shard_size"].default:
+        update["out_shard_size"] = DEFAULT_SHARD_SIZE
+    no_card = options.model_copy(update=update)
     try:
         run_merge(expand_home(config).model_copy(deep=True), str(folder), no_card)
     except LmcError:
