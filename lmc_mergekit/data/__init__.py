@@ -8,20 +8,32 @@ from lmc_mergekit.data.sequences import (
     DataConfig,
     iter_sequences,
     load_split,
-    load_tokenizer,
     split_of,
 )
 from lmc_mergekit.data.sources import iter_texts
+from lmc_mergekit.data.tokenizer import (
+    SharedTokenizer,
+    TokenizerRecord,
+    load_tokenizer,
+    shared_tokenizer,
+    shares_tokenizer,
+    text_affixes,
+)
 
 __all__ = [
     "BLOCK",
     "SPLITS",
     "DataConfig",
+    "SharedTokenizer",
+    "TokenizerRecord",
     "bundled_corpus_dir",
     "bundled_text_files",
     "iter_sequences",
     "iter_texts",
     "load_split",
     "load_tokenizer",
+    "shared_tokenizer",
+    "shares_tokenizer",
     "split_of",
+    "text_affixes",
 ]

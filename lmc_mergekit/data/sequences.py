@@ -1,21 +1,23 @@
 """Text turned into fixed-length token sequences, and their split into train/validation/test.
 
 Documents are tokenized without special tokens, joined into one token stream with the
-tokenizer's EOS id between them, and cut into consecutive sequences of ``seq_len`` tokens. Each
-sequence belongs to one split by its position in the stream (:func:`split_of`), so every split
-is fixed by the data and ``seq_len`` alone, with no random state to carry around.
+tokenizer's EOS id between them, and cut into consecutive sequences of ``seq_len`` tokens, each
+starting as the tokenizer starts a text (its BOS where it adds one, then the next
+``seq_len - 1`` tokens of the stream). Each sequence belongs to one split by its position in the
+stream (:func:`split_of`), so every split is fixed by the data and ``seq_len`` alone, with no
+random state to carry around.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmc_mergekit.data.sources import iter_texts
+from lmc_mergekit.data.tokenizer import text_affixes
 from lmc_mergekit.errors import LmcError
 
 SPLITS = ("train", "validation", "test")
@@ -23,14 +25,6 @@ BLOCK = 8
 # Of every 10 blocks: block 0 is test, block 1 validation, the other 8 train.
 SPLIT_OF_BLOCK = ("test", "validation", *("train",) * 8)
 TOKENIZE_PIECE_CHARS = 100_000
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-)
 
 
 def split_of(index: int) -> str:
@@ -85,23 +79,38 @@ def _line_pieces(text: str, size: int) -> Iterator[str]:
 
 
 def iter_sequences(texts: Iterable[str], tokenizer: Any, seq_len: int) -> Iterator[list[int]]:
-    """Consecutive ``seq_len``-token chunks of the token stream of ``texts``.
+    """Sequences of ``seq_len`` tokens: the ids the tokenizer starts a text with (its BOS,
+    where it adds one; see :func:`text_affixes`), then the next consecutive chunk of the token
+    stream of ``texts``.
 
     Each text is tokenized without special tokens (long texts in pieces of about
     :data:`TOKENIZE_PIECE_CHARS` characters cut at line ends, so memory stays bounded), the
     tokenizer's EOS id goes between texts when it has one, and the final partial chunk is
-    dropped.
+    dropped. Ids a tokenizer appends to a text (an EOS after it) are not put into sequences.
+    With a tokenizer that adds nothing the sequences are plain chunks of the stream.
     """
-    if seq_len < 1:
-        raise LmcError(f"sequence length {seq_len} must be positive")
+    prefix = text_affixes(tokenizer)[0]
+    body = _body_len(seq_len, prefix)
     buffer: list[int] = []
     for ids in _iter_token_pieces(texts, tokenizer):
         buffer.extend(ids)
         start = 0
-        while len(buffer) - start >= seq_len:
-            yield buffer[start : start + seq_len]
-            start += seq_len
+        while len(buffer) - start >= body:
+            yield prefix + buffer[start : start + body]
+            start += body
         del buffer[:start]
+
+
+def _body_len(seq_len: int, prefix: list[int]) -> int:
+    """The stream tokens in a sequence of ``seq_len`` after the tokenizer's ``prefix``."""
+    if seq_len - len(prefix) < 1:
+        after = f" after the {len(prefix)} tokens the tokenizer starts a text with"
+        after = after if prefix else ""
+        raise LmcError(
+            f"sequence length {seq_len} leaves no room for text{after}; "
+            f"use --seq-len {len(prefix) + 1} or more"
+        )
+    return seq_len - len(prefix)
 
 
 @dataclass(frozen=True)
@@ -152,71 +161,11 @@ def load_split(
         )
     if not chosen:
         first = _first_index(split)
+        body = _body_len(config.seq_len, text_affixes(tokenizer)[0])
         raise LmcError(
             f"{config.describe()} gives {total} sequences of {config.seq_len} tokens, none in the "
             f"{split!r} split (it gets sequences {first}-{first + BLOCK - 1} of every "
-            f"{BLOCK * len(SPLIT_OF_BLOCK)}); give at least {(first + 1 - total) * config.seq_len} "
-            "more tokens of text or a smaller --seq-len"
+            f"{BLOCK * len(SPLIT_OF_BLOCK)}); give at least {(first + 1 - total) * body} more "
+            "tokens of text or a smaller --seq-len"
         )
     return torch.tensor(chosen, dtype=torch.long)
-
-
-def load_tokenizer(model_dirs: Sequence[str | Path]) -> Any:
-    """The Hugging Face tokenizer that all of ``model_dirs`` share (loaded from the first)."""
-    from lmc_mergekit.models.checkpoint import model_dir, read_config
-
-    if not model_dirs:
-        raise LmcError("no model given; evaluation needs at least one model folder")
-    tokenizer = None
-    first: Path | None = None
-    for path in model_dirs:
-        folder = model_dir(path)
-        candidate = _tokenizer_of(folder)
-        vocab_size = read_config(folder).get("vocab_size")
-        if isinstance(vocab_size, int) and len(candidate) > vocab_size:
-            raise LmcError(
-                f"the tokenizer in {folder} has {len(candidate)} tokens but the model's "
-                f"vocab_size is {vocab_size}; put the model's own tokenizer files there"
-            )
-        if tokenizer is None:
-            tokenizer, first = candidate, folder
-        elif _signature(candidate) != _signature(tokenizer):
-            raise LmcError(
-                f"the tokenizers of {first} and {folder} differ; models evaluated together "
-                "must share one tokenizer"
-            )
-    return tokenizer
-
-
-def shares_tokenizer(a: Path, b: Path) -> bool:
-    """Whether two checkpoint folders tokenise alike: the same tokenizer where both have one,
-    else (nothing to compare) the same vocabulary size."""
-    from lmc_mergekit.models.checkpoint import read_config
-
-    has = [any((f / name).is_file() for name in TOKENIZER_FILES) for f in (a, b)]
-    if all(has):
-        return _signature(_tokenizer_of(a)) == _signature(_tokenizer_of(b))
-    return read_config(a).get("vocab_size") == read_config(b).get("vocab_size")
-
-
-def _tokenizer_of(folder: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise LmcError(
-            f"evaluation needs the model's tokenizer, but {folder} has no tokenizer files; "
-            "copy them from the model it was trained or merged from"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, TypeError) as error:
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise LmcError(f"could not load the tokenizer in {folder}: {first_line}") from None
-
-
-def _signature(tokenizer: Any) -> tuple:
-    """What two tokenizers must agree on to produce the same ids: vocabulary and special ids."""
-    special = {
-        name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "unk", "pad")
-    }
-    return tokenizer.get_vocab(), special, sorted(tokenizer.all_special_ids)

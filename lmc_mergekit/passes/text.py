@@ -4,21 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from lmc_mergekit.data.tokenizer import TokenizerRecord
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.runtime.records import Record
 
 
 class SplitRecord(Record):
-    """Which text a split of sequences came from, and how much of it."""
+    """Which text a split of sequences came from, how much of it, and which tokenizer
+    tokenised it (how the other inputs' tokenizers differ from it)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tokenizer",)
 
     description: str
     split: str
     sequences: int
     seq_len: int
     tokens: int
+    tokenizer: TokenizerRecord | None = None
+
+    def tokenizer_note(self) -> str:
+        """A sentence for a model card on the tokenizer's start tokens and how the inputs'
+        tokenizers differ ("" for nothing to say)."""
+        return "" if self.tokenizer is None else self.tokenizer.note()
 
 
 @dataclass(frozen=True)
@@ -33,24 +44,26 @@ def load_recipe_split(
     inputs: tuple[Path, ...], settings, split: str, most: int, fix: str | None = None
 ) -> Split:
     """Up to ``most`` sequences of ``split`` of the section's ``data`` (``field``, ``seq_len``)
-    through the inputs' shared tokenizer; ``fix`` is appended to a missing-tokenizer error
-    (how to do without this data, where one can)."""
-    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+    through the first input's tokenizer, which the others' must agree with; ``fix`` is appended
+    to a missing-tokenizer error (how to do without this data, where one can)."""
+    from lmc_mergekit.data import DataConfig, load_split, shared_tokenizer
 
     try:
-        tokenizer = load_tokenizer(inputs)
+        shared = shared_tokenizer(inputs)
     except LmcError as error:
         if fix is None:
             raise
         raise LmcError(f"{error} (or {fix})") from None
     config = DataConfig(source=settings.data, field=settings.field, seq_len=settings.seq_len)
-    sequences = load_split(config, tokenizer, split, most)
+    sequences = load_split(config, shared.tokenizer, split, most)
+    shared.check_ids(sequences)
     record = SplitRecord(
         description=config.describe(),
         split=split,
         sequences=int(sequences.shape[0]),
         seq_len=settings.seq_len,
         tokens=int(sequences.shape[0] * (settings.seq_len - 1)),
+        tokenizer=shared.record,
     )
     return Split(sequences, record)
 
