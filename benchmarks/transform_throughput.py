@@ -6,7 +6,8 @@ Builds a Llama-shaped checkpoint in a temporary folder, then times the three sta
 ``transform_checkpoint``: reading + transforming + writing shard by shard, and the self-check.
 Peak memory is the process's high-water mark, printed next to the checkpoint's size: writing is
 part by part, so the transform itself needs about one block beyond what is loaded; the
-self-check loads the source and the result in full.
+self-check runs the source and the exact transform block by block and compares each written
+part with it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lmc_mergekit.evaluation.selfcheck import check_same_function
+from lmc_mergekit.evaluation.selfcheck import check_transformed
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.symmetry import apply_transform, random_transform
 
@@ -61,7 +62,7 @@ def main() -> None:
     write_s = time.perf_counter() - start
     write_peak = peak_mib()
     start = time.perf_counter()
-    error = check_same_function(root / "src", root / "out")
+    error = check_transformed(view, transform, root / "out")
     check_s = time.perf_counter() - start
 
     size_mib = params * 4 / 1024**2

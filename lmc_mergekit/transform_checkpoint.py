@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmc_mergekit.evaluation.selfcheck import check_same_function
+from lmc_mergekit.evaluation.selfcheck import check_transformed
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.view import ModelSpec
@@ -18,21 +18,20 @@ def transform_checkpoint(
     transform: Transform,
     *,
     max_shard_size: int = DEFAULT_SHARD_SIZE,
-    tolerance: float | None = None,
     overwrite: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
 ) -> tuple[ModelSpec, float]:
     """Write ``source`` moved by ``transform`` to ``out`` as a stock checkpoint.
 
-    The result is written shard by shard into a staging folder and run against the source, block
-    by block through stock ``transformers`` modules, after ``transformers`` has checked that it
-    would load it (see :mod:`lmc_mergekit.evaluation.selfcheck`); only then is it renamed to
-    ``out``. Returns the written spec and the measured logits error.
+    The result is written shard by shard into a staging folder and self-checked (see
+    :mod:`lmc_mergekit.evaluation.selfcheck`: the exact transform computes the source's logits,
+    every written tensor is it rounded once, transformers loads the folder); only then is it
+    renamed to ``out``. Returns the written spec and the function check's logits error.
     """
     view = open_model(source, trust_remote_code)
     moved = apply_transform(view, transform)
     with staged_folder(out, "replace" if overwrite else "refuse") as staging:
         spec = view.adapter.save(moved, staging, view.folder, max_shard_size, progress)
-        error = check_same_function(view.folder, staging, tolerance, trust_remote_code)
+        error = check_transformed(view, transform, staging, trust_remote_code)
     return spec, error

@@ -1,18 +1,29 @@
 """The self-check every written checkpoint passes: block by block, it computes what
-``transformers`` computes, and it refuses a wrong function or a layout transformers would not
-load."""
+``transformers`` computes; the exact transform must keep the source's logits to float32
+precision, and every written tensor must be that exact transform rounded once to its dtype, so
+that a real mistake fails in bf16 as in float32."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import VARIANTS, logits, probe_ids
+from transformers import AutoModelForCausalLM
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.evaluation.selfcheck import check_same_function, checkpoint_logits
+from lmc_mergekit.evaluation.selfcheck import (
+    check_transformed,
+    checkpoint_logits,
+    relative_logits_error,
+    units_in_last_place,
+)
+from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.symmetry import random_transform
+from lmc_mergekit.transform_checkpoint import transform_checkpoint
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -33,26 +44,97 @@ def _copy_with(source, target, change):
     return target
 
 
+def _moved(source, tmp_path, seed=3):
+    """``source`` moved by a random symmetry (self-checked), and that transform."""
+    transform = random_transform(open_model(source).spec, seed)
+    transform_checkpoint(source, tmp_path / "moved", transform, progress=False)
+    return tmp_path / "moved", transform
+
+
+def bf16_copy(source, target):
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16)
+    model.save_pretrained(target)
+    return target
+
+
 def test_a_changed_weight_is_refused(model_dirs, tmp_path):
     source = model_dirs["llama_gqa_tied"]
+    moved, transform = _moved(source, tmp_path)
+    assert check_transformed(open_model(source), transform, moved) < 1e-5
 
     def perturb(tensors):
         name = next(n for n in sorted(tensors) if n.endswith("mlp.down_proj.weight"))
         tensors[name] = tensors[name] * 1.01
 
-    candidate = _copy_with(source, tmp_path / "changed", perturb)
-    assert check_same_function(source, source) == 0.0
-    with pytest.raises(LmcError, match="self-check failed: the transformed model's logits"):
-        check_same_function(source, candidate)
+    candidate = _copy_with(moved, tmp_path / "changed", perturb)
+    with pytest.raises(LmcError, match=r"stores block 0 mlp.down .* units in the last place"):
+        check_transformed(open_model(source), transform, candidate)
+
+
+def test_a_small_bfloat16_mistake_that_rounding_would_hide_is_refused(model_dirs, tmp_path):
+    """In bf16 a few units in the last place of one head's output projection move the logits
+    less than the old tolerance (5e-2 of the largest logit) allowed: the check sees them."""
+    source = bf16_copy(model_dirs["qwen2_gqa_bias_tied"], tmp_path / "bf16")
+    moved, transform = _moved(source, tmp_path)
+    error = check_transformed(open_model(source), transform, moved)
+    assert error < 1e-4  # float32 precision, although the weights are bf16
+
+    def nudge(tensors):
+        name = "model.layers.1.self_attn.o_proj.weight"
+        weight = tensors[name].float()
+        weight[:, :4] *= 1 + 4 * 2**-8  # four units in bf16's last place, one head's columns
+        tensors[name] = weight.to(torch.bfloat16)
+
+    candidate = _copy_with(moved, tmp_path / "nudged", nudge)
+    ids = probe_ids()
+    old_measure = relative_logits_error(logits(candidate, ids), logits(moved, ids))
+    assert 0 < old_measure < 5e-2
+    with pytest.raises(LmcError, match=r"o .* units in the last place \(torch.bfloat16\)"):
+        check_transformed(open_model(source), transform, candidate)
+
+
+def test_a_config_that_breaks_the_function_is_refused(model_dirs, tmp_path):
+    """A written config.json that forgot the norms' eps·g² (with g far from 1): every tensor is
+    right, the function is not."""
+    source = model_dirs["llama"]
+    moved, transform = _moved(source, tmp_path)
+    assert abs(transform.scale - 1) > 0.2
+    config = json.loads((moved / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5  # norms now see a different function of their input
+    (moved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LmcError, match="is not a symmetry of this model"):
+        check_transformed(open_model(source), transform, moved)
+
+
+def test_units_in_the_last_place():
+    exact = torch.tensor([1.0, 1.0, -3.0, 1e-3], dtype=torch.float64)
+    stored = exact.to(torch.bfloat16)
+    assert units_in_last_place(stored, exact.float()) <= 0.5  # rounding: half a unit at most
+    nudged = stored.clone()
+    nudged[2] = torch.nextafter(torch.nextafter(nudged[2], nudged[2] * 2), nudged[2] * 2)
+    assert units_in_last_place(nudged, exact.float()) == pytest.approx(2, abs=0.5)
+
+
+def test_units_in_the_last_place_of_a_matrix_compared_a_slice_at_a_time(monkeypatch):
+    from lmc_mergekit.evaluation import selfcheck
+
+    exact = torch.randn(9, 4, generator=torch.Generator().manual_seed(0))
+    stored = exact.to(torch.bfloat16)
+    for _ in range(3):  # three units away from the rounded value, in the fourth slice
+        stored[7, 2] = torch.nextafter(stored[7, 2], stored[7, 2] * 4)
+    whole = units_in_last_place(stored, exact)
+    monkeypatch.setattr(selfcheck, "COMPARE_ELEMENTS", 8)  # two rows at a time
+    assert units_in_last_place(stored, exact) == whole and 2.5 <= whole <= 3.5
 
 
 def test_a_layout_transformers_would_not_load_is_refused(model_dirs, tmp_path):
     """A tensor our reader never asks for still fails the check: transformers would refuse it."""
     source = model_dirs["qwen3_qk_norm_gqa"]
+    moved, transform = _moved(source, tmp_path)
 
     def add(tensors):
         tensors["model.layers.0.self_attn.extra_proj.weight"] = torch.zeros(4, 4)
 
-    candidate = _copy_with(source, tmp_path / "extra", add)
+    candidate = _copy_with(moved, tmp_path / "extra", add)
     with pytest.raises(LmcError, match=r"unexpected keys in extra.*extra_proj"):
-        check_same_function(source, candidate)
+        check_transformed(open_model(source), transform, candidate)

@@ -1,15 +1,24 @@
-"""The self-check: a transformed checkpoint must compute the same logits as its source.
+"""The self-check: a transformed checkpoint must be its source moved by a symmetry, exactly.
 
-Both folders run in float32 on one probe batch (bundled text through the model's own
-tokenizer, or fixed random token ids when there is no tokenizer). Where the family can be run
-block by block (:class:`~lmc_mergekit.models.block_runner.BlockRunner`: each block through a
-one-layer stock ``transformers`` module built from the folder's own config.json), it is, so
-that only one block of one model is in memory at a time; the written tensors' names and shapes
-are then checked against the ``transformers`` model of that config (built on the meta device),
-which is what loading it would check. Otherwise both models are loaded whole through
-``transformers``. The measured error is ``max|Δlogits| / max(1, max|logits|)``; it must not
-exceed the tolerance for the checkpoint's storage dtype (:data:`TOLERANCES`), since rounding the
-transformed weights back to that dtype is the only expected source of error.
+Two checks, both before anything is kept:
+
+- **function**: the exact transform of the source (computed in float64, run in float32) must
+  compute the source's logits on a probe batch (bundled text through the model's own
+  tokenizer, or fixed random ids without one) to float32 precision, whatever the checkpoint's
+  dtype: ``max|Δlogits| / max(1, max|logits|) ≤ 1e-4``. This catches any transform that is not
+  a symmetry of the model.
+- **storage**: every written tensor must be that exact transform rounded once to the written
+  tensor's dtype, within a few units in the last place, and keep its source tensor's dtype; and
+  ``transformers`` must load the written folder without a missing, unexpected or mis-shaped
+  tensor (checked on the meta device). This catches any writing or layout mistake, in bf16 as
+  in float32: rounding to the storage dtype is the only difference allowed, and it is measured
+  in that dtype's own units, not as a fraction of the logits (a bf16 rounding moves a real
+  model's logits by about one, which hides real bugs).
+
+Models run block by block where the family allows it
+(:class:`~lmc_mergekit.models.block_runner.BlockRunner`: each block through a one-layer stock
+``transformers`` module of the written folder's config), so that one block is in memory at a
+time; the others (GPT-2 scaling attention by layer index) are loaded whole.
 """
 
 from __future__ import annotations
@@ -17,23 +26,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.adapters import CheckpointView, open_model
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.checkpoint import read_config
+from lmc_mergekit.models.view import iter_tensors
+from lmc_mergekit.symmetry import Transform, apply_transform
 
-TOLERANCES = {torch.float32: 1e-4, torch.float64: 1e-8, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+#: Relative logits error allowed between two float32 computations of one function.
+FUNCTION_TOLERANCE = 1e-4
+#: Units in the last place of its dtype a written tensor may differ from the exact transform.
+STORAGE_ULPS = 2
 PROBE_SHAPE = (2, 48)
-SAFETENSORS_FLOAT_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
 
 
 def probe_batch(
@@ -69,18 +76,132 @@ def checkpoint_logits(
     """The float32 logits of the checkpoint in ``folder`` on ``input_ids``: block by block
     where the family allows it (after checking the stored layout), else through the whole
     ``transformers`` model."""
-    return _view_logits(open_model(folder, trust_remote_code), input_ids, trust_remote_code)
-
-
-def _view_logits(view, input_ids: torch.Tensor, trust_remote_code: bool) -> torch.Tensor:
-    adapter = view.adapter
-    if not adapter.block_modules or adapter.blockwise_problem(read_config(view.folder)):
+    view = open_model(folder, trust_remote_code)
+    if not _blockwise(view):
         return load_fp32(view.folder, trust_remote_code)(input_ids).logits
-    problem = layout_problem(view.folder, trust_remote_code)
+    _check_layout(folder, trust_remote_code)
+    return _runner(view.folder, view).logits(view, input_ids)
+
+
+@torch.no_grad()
+def check_transformed(
+    source: CheckpointView, transform: Transform, candidate: Path, trust_remote_code: bool = False
+) -> float:
+    """Raise unless ``candidate`` is ``source`` moved by ``transform`` (see the module
+    docstring); return the function check's relative logits error."""
+    written = open_model(candidate, trust_remote_code)
+    _check_layout(candidate, trust_remote_code)
+    exact = apply_transform(source, transform, torch.float32)
+    stored = _StoredAsExact(exact, written)
+    ids = probe_batch(source.folder, source.spec.vocab_size)
+    if _blockwise(written):
+        expected = _runner(source.folder, source).logits(source, ids)
+        actual = _runner(candidate, written).logits(stored, ids)
+    else:
+        expected = load_fp32(source.folder, trust_remote_code)(ids).logits
+        actual = _whole_model(candidate, written, stored, trust_remote_code)(ids).logits
+    error = relative_logits_error(actual, expected)
+    if not error <= FUNCTION_TOLERANCE:
+        raise LmcError(
+            f"self-check failed: the transform of {source.folder.name} computes logits "
+            f"{error:.3e} (relative) away from the source's, above {FUNCTION_TOLERANCE:.0e}: it "
+            "is not a symmetry of this model; nothing was written"
+        )
+    return error
+
+
+class _StoredAsExact:
+    """The exact view, part by part, each part checked against the written one first."""
+
+    def __init__(self, exact, written):
+        self.exact, self.written = exact, written
+        self.spec = exact.spec
+
+    def embeddings(self):
+        return self._checked("embeddings", self.exact.embeddings(), self.written.embeddings())
+
+    def block(self, index: int):
+        return self._checked(f"block {index}", self.exact.block(index), self.written.block(index))
+
+    def head(self):
+        return self._checked("head", self.exact.head(), self.written.head())
+
+    def _checked(self, where: str, exact, written):
+        check_stored(where, exact, written, self.written.folder.name)
+        return exact
+
+
+def check_stored(where: str, exact, written, name: str) -> None:
+    """Raise unless every tensor of the ``written`` part is the float32 ``exact`` one rounded
+    to the written tensor's dtype, within :data:`STORAGE_ULPS` units in its last place."""
+    pairs = zip(iter_tensors(exact), iter_tensors(written), strict=True)
+    for (field, want), (_, got) in pairs:
+        if want.shape != got.shape:
+            raise LmcError(
+                f"self-check failed: {name} stores {where} {field} as {tuple(got.shape)}, the "
+                f"transform gives {tuple(want.shape)}; nothing was written"
+            )
+        if not got.is_floating_point():
+            continue
+        ulps = units_in_last_place(got, want)
+        if ulps > STORAGE_ULPS:
+            raise LmcError(
+                f"self-check failed: {name} stores {where} {field} {ulps:.0f} units in the last "
+                f"place ({got.dtype}) away from the exact transform, more than rounding "
+                f"({STORAGE_ULPS}); nothing was written"
+            )
+
+
+#: Elements compared at a time (a vocabulary's rows would otherwise make several float32
+#: temporaries of the whole embedding).
+COMPARE_ELEMENTS = 1 << 22
+
+
+def units_in_last_place(stored: torch.Tensor, exact: torch.Tensor) -> float:
+    """The largest ``|stored - exact|`` in units of ``stored``'s dtype at ``exact``'s value
+    (a slice of rows at a time)."""
+    if stored.dim() == 0 or stored.numel() == 0:
+        return _ulps(stored.reshape(-1), exact.reshape(-1))
+    rows = max(1, COMPARE_ELEMENTS // max(1, stored[0].numel()))
+    pairs = zip(torch.split(stored, rows), torch.split(exact, rows), strict=True)
+    return max(_ulps(got, want) for got, want in pairs)
+
+
+def _ulps(stored: torch.Tensor, exact: torch.Tensor) -> float:
+    rounded = exact.to(stored.dtype)
+    up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    unit = (up.float() - rounded.float()).abs()
+    # Rounding to the nearest value is half a unit; a unit is measured where it is largest.
+    return float(((stored.float() - exact.float()).abs() / unit).max()) if unit.numel() else 0.0
+
+
+def _blockwise(view) -> bool:
+    """Whether ``view``'s model can run block by block."""
+    problem = view.adapter.blockwise_problem(read_config(view.folder))
+    return bool(view.adapter.block_modules) and problem is None
+
+
+def _runner(folder: Path, view) -> BlockRunner:
+    return BlockRunner(folder, view.adapter, view.spec, torch.device("cpu"))
+
+
+def _check_layout(folder: Path, trust_remote_code: bool) -> None:
+    problem = layout_problem(folder, trust_remote_code)
     if problem is not None:
         raise LmcError(f"self-check failed: {problem}; nothing was written")
-    runner = BlockRunner(view.folder, adapter, view.spec, torch.device("cpu"), trust_remote_code)
-    return runner.logits(view, input_ids)
+
+
+def _whole_model(folder: Path, written, view, trust_remote_code: bool) -> torch.nn.Module:
+    """``folder``'s float32 ``transformers`` model with the weights of ``view`` (in the
+    written folder's layout)."""
+    model = load_fp32(folder, trust_remote_code)
+    adapter, spec = written.adapter, written.spec
+    state = dict(adapter.embeddings_tensors(view.embeddings(), spec))
+    for index in range(spec.num_layers):
+        state.update(adapter.block_tensors(view.block(index), spec, index))
+    state.update(adapter.head_tensors(view.head(), spec))
+    model.load_state_dict({adapter.module_key(k): v for k, v in state.items()}, strict=False)
+    return model
 
 
 def layout_problem(folder: Path, trust_remote_code: bool = False) -> str | None:
@@ -103,46 +224,6 @@ def layout_problem(folder: Path, trust_remote_code: bool = False) -> str | None:
     return None
 
 
-@torch.no_grad()
-def logits_error(source: Path, candidate: Path, trust_remote_code: bool = False) -> float:
-    """The relative logits error of ``candidate`` against ``source`` on the probe batch."""
-    view = open_model(source, trust_remote_code)
-    ids = probe_batch(source, view.spec.vocab_size)
-    expected = _view_logits(view, ids, trust_remote_code)
-    return relative_logits_error(checkpoint_logits(candidate, ids, trust_remote_code), expected)
-
-
 def relative_logits_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max|Δlogits| / max(1, max|logits|)``, the self-check's measure."""
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0))
-
-
-def tolerance_for(folder: Path) -> float:
-    """The self-check tolerance for the storage dtype of the checkpoint in ``folder``."""
-    return TOLERANCES.get(storage_dtype(folder), 1e-4)
-
-
-def storage_dtype(folder: Path) -> torch.dtype:
-    """The floating dtype the checkpoint's weights are stored in (read from the file header)."""
-    shard = sorted(folder.glob("*.safetensors"))[0]
-    with safe_open(str(shard), "pt") as fp:
-        for key in fp.keys():
-            name = fp.get_slice(key).get_dtype()
-            if name in SAFETENSORS_FLOAT_DTYPES:
-                return SAFETENSORS_FLOAT_DTYPES[name]
-    return torch.float32
-
-
-def check_same_function(
-    source: Path, candidate: Path, tolerance: float | None = None, trust_remote_code: bool = False
-) -> float:
-    """Raise unless ``candidate`` reproduces ``source``'s logits; return the measured error."""
-    if tolerance is None:
-        tolerance = tolerance_for(candidate)
-    error = logits_error(source, candidate, trust_remote_code)
-    if not error <= tolerance:
-        raise LmcError(
-            f"self-check failed: the transformed model's logits differ from {source.name}'s by "
-            f"{error:.3e} (relative), above the tolerance {tolerance:.1e}; nothing was written"
-        )
-    return error

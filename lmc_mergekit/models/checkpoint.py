@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,9 @@ TAGALONG_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    # A multimodal model's image processor (Gemma 3).
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 
 
@@ -53,6 +57,14 @@ def read_config(folder: Path) -> dict:
     if not isinstance(config, dict):
         raise LmcError(f"{path} is not a JSON object; repair it or save the checkpoint again")
     return config
+
+
+def stored_dtype(folder: Path) -> torch.dtype:
+    """The dtype a checkpoint's config.json says its weights are stored in (float32 if none)."""
+    config = read_config(folder)
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def check_checkpoint(folder: Path) -> None:
@@ -104,20 +116,30 @@ def _safetensors_names(path: Path) -> set[str]:
 def first_non_finite(folder: Path) -> tuple[str, int] | None:
     """The first floating tensor of the checkpoint in ``folder`` (safetensors or pickled
     shards) that holds NaN or Inf values, and how many; None when every value is finite."""
+    counts: dict[str, int] = {}
     for name, tensor in _stored_tensors(folder):
         if tensor.is_floating_point():
-            bad = int((~torch.isfinite(tensor)).sum())
-            if bad:
-                return name, bad
-    return None
+            counts[name] = counts.get(name, 0) + int((~torch.isfinite(tensor)).sum())
+    return next(((name, count) for name, count in counts.items() if count), None)
+
+
+#: Elements of a stored tensor read at a time when scanning a checkpoint.
+SCAN_ELEMENTS = 2**24
 
 
 def _stored_tensors(folder: Path):
-    """Every stored tensor, one safetensors tensor (or one pickled shard) at a time."""
+    """Every stored tensor, a slice of rows of a safetensors tensor (or one pickled shard) at
+    a time: scanning a merged model holds a slice, not a whole embedding."""
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as fp:
-            for name in fp.keys():
-                yield name, fp.get_tensor(name)
+            shapes = {name: fp.get_slice(name).get_shape() for name in fp.keys()}
+        for name, shape in shapes.items():
+            rows = shape[0] if shape else 1
+            step = max(1, SCAN_ELEMENTS // max(1, math.prod(shape[1:])))
+            for start in range(0, rows, step):
+                with safe_open(str(shard), "pt") as fp:
+                    part = fp.get_slice(name)
+                    yield name, part[start : start + step] if shape else fp.get_tensor(name)
     for shard in sorted(folder.glob("*.bin")):
         yield from torch.load(shard, map_location="cpu", weights_only=True).items()
 
@@ -134,12 +156,20 @@ class CheckpointReader:
             )
         index = ShardedTensorIndex.from_disk(str(folder))
         self._loader = LazyTensorLoader(index, lazy_unpickle=False)
+        self._paths = {
+            name: Path(index.base_path) / shard for name, shard in index.tensor_paths.items()
+        }
         self._names = set(index.tensor_paths)
         self._checked: set[str] = set()  # passes read some tensors every round: check once
 
     def has(self, name: str) -> bool:
         """Whether the checkpoint stores a tensor under ``name``."""
         return name in self._names
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every stored tensor name."""
+        return frozenset(self._names)
 
     def get(self, name: str, optional: bool = False) -> torch.Tensor | None:
         """The tensor ``name``; None for a missing optional one."""
@@ -151,15 +181,78 @@ class CheckpointReader:
         # Closing the shard unmaps it: pages of a kept mapping count as this process's memory,
         # and would add up to the whole checkpoint over a pass.
         self._loader.flush()
-        if name not in self._checked and tensor.is_floating_point():
-            if not torch.isfinite(tensor).all():
-                bad = int((~torch.isfinite(tensor)).sum())
-                raise LmcError(
-                    f"{self.folder}: tensor {name!r} holds {bad} NaN/Inf values; "
-                    "the checkpoint is corrupt or diverged, repair or replace it"
-                )
+        if name not in self._checked:
+            self._check_finite(name, tensor)
             self._checked.add(name)
         return tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the tensor ``name`` (read from its shard's header)."""
+        with safe_open(str(self._path(name)), "pt") as fp:
+            return tuple(fp.get_slice(name).get_shape())
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (first dimension) of the tensor ``name``, read alone: a slice of
+        a whole embedding costs the slice, not the embedding."""
+        with safe_open(str(self._path(name)), "pt") as fp:
+            tensor = fp.get_slice(name)[start:stop]
+        self._check_finite(name, tensor)
+        return tensor
+
+    def _path(self, name: str) -> Path:
+        if name not in self._names:
+            raise LmcError(f"{self.folder} lacks tensor {name!r}; is the checkpoint complete?")
+        return self._paths[name]
+
+    def _check_finite(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise LmcError(
+                f"{self.folder}: tensor {name!r} holds {bad} NaN/Inf values; "
+                "the checkpoint is corrupt or diverged, repair or replace it"
+            )
+
+
+class MetaReader:
+    """Stands in for a :class:`CheckpointReader` and reads nothing: every tensor is an empty
+    meta tensor of its stored shape, remembered by name, so that which stored tensor an adapter
+    puts where (as it is) can be found without reading one."""
+
+    def __init__(self, reader: CheckpointReader):
+        self._reader = reader
+        self._given: dict[str, torch.Tensor] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._reader, name)
+
+    def get(self, name: str, optional: bool = False) -> torch.Tensor | None:
+        """An empty meta tensor of ``name``'s shape; None for a missing optional one."""
+        if optional and not self._reader.has(name):
+            return None
+        self._given[name] = torch.empty(self._reader.shape(name), device="meta")
+        return self._given[name]
+
+    def name_of(self, tensor: torch.Tensor) -> str | None:
+        """The stored tensor ``tensor`` is, as given out (None for anything else)."""
+        return next((name for name, given in self._given.items() if given is tensor), None)
+
+
+class RowsReader:
+    """A :class:`CheckpointReader` that gives rows ``start:stop`` of the tensor ``name``, and
+    every other tensor whole: an adapter reading a part through it builds the part with a
+    slice of that matrix (a few thousand rows of an embedding, not all of them)."""
+
+    def __init__(self, reader: CheckpointReader, name: str, start: int, stop: int):
+        self._reader, self._name, self._rows = reader, name, (start, stop)
+
+    def __getattr__(self, name: str):
+        return getattr(self._reader, name)
+
+    def get(self, name: str, optional: bool = False) -> torch.Tensor | None:
+        """Rows of the sliced tensor, or any other tensor whole."""
+        if name == self._name:
+            return self._reader.rows(name, *self._rows)
+        return self._reader.get(name, optional)
 
 
 class ShardWriter:
@@ -167,11 +260,18 @@ class ShardWriter:
 
     def __init__(self, folder: Path, max_shard_size: int):
         self._writer = TensorWriter(str(folder), max_shard_size=max_shard_size)
+        self._max = max_shard_size
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Queue tensors; full shards are flushed to disk as they fill."""
+        """Queue tensors; a shard is flushed to disk as soon as it is full."""
         for name, tensor in tensors.items():
             self._writer.save_tensor(name, tensor.contiguous())
+            # mergekit flushes a full shard only when the next tensor arrives, so a tensor
+            # larger than a shard (a whole embedding) would stay in memory while the next part
+            # is computed. Flushed now, the shards hold the same tensors.
+            if self._writer.current_shard_size >= self._max:
+                with self._writer._lock:
+                    self._writer._flush_current_shard()
 
     def close(self) -> None:
         """Flush the last shard and write the index."""

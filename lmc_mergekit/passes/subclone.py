@@ -14,7 +14,11 @@ import torch
 from pydantic import Field, model_validator
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.evaluation.selfcheck import load_fp32, relative_logits_error, tolerance_for
+from lmc_mergekit.evaluation.selfcheck import (
+    FUNCTION_TOLERANCE,
+    load_fp32,
+    relative_logits_error,
+)
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.block_runner import BlockRunner
@@ -44,6 +48,8 @@ SHAPE_KEYS = (
 
 class SubcloneSettings(TextSettings):
     """``subclone:`` for ``subclone_compensate``."""
+
+    model_keys: ClassVar[dict[str, bool]] = {"target_config": False}
 
     hidden_size: int | None = Field(None, gt=0, description="target width")
     num_hidden_layers: int | None = Field(None, gt=0, description="target depth")
@@ -152,6 +158,8 @@ class SubcloneReport(Report):
             f"Calibration: {calibration.sequences} sequences ({calibration.tokens} tokens) "
             f"of {calibration.description}.\n",
         ]
+        if note := calibration.tokenizer_note():
+            lines.append(note + "\n")
         header = "| donor | kept layers | residual channels | rotary pairs (base) |"
         if self.test is not None:
             header += " donor test loss | converted test loss |"
@@ -311,7 +319,9 @@ def _check_written(view, converted, out: Path, calibration, ctx) -> float:
     with torch.no_grad():
         actual = load_fp32(out, ctx.options.trust_remote_code)(ids).logits
     error = relative_logits_error(actual, expected)
-    tolerance = tolerance_for(out)
+    # The conversion's view holds exactly the written values (in their dtype): both sides are
+    # float32 computations of one set of weights, whatever the storage dtype.
+    tolerance = FUNCTION_TOLERANCE
     if not error <= tolerance:
         raise LmcError(
             f"self-check failed: the written {out.name} computes logits {error:.2e} (relative) "

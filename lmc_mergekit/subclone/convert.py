@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner, embed
-from lmc_mergekit.models.view import Block, Embeddings, Head, InMemoryView, ModelSpec
+from lmc_mergekit.models.view import Block, Head, InMemoryView, ModelSpec
 from lmc_mergekit.subclone.compensation import RidgeFit, RidgeSolution
 from lmc_mergekit.subclone.selection import (
     Ranker,
@@ -161,9 +161,12 @@ def convert_model(
     positions = None
     if emb.positions is not None:
         positions = emb.positions[: target.learned_positions][:, channels]
+    # A multimodal projector writes the stream as it is (no embedding multiplier): its kept
+    # channels are the stream's.
+    projector = None if emb.projector is None else emb.projector[:, channels]
     view = InMemoryView(
         spec=target,
-        embeddings_=Embeddings(tokens=tokens, positions=positions),
+        embeddings_=replace(emb, tokens=tokens, positions=positions, projector=projector),
         blocks=blocks,
         head_=small_head,
     )

@@ -23,6 +23,7 @@ from lmc_mergekit.models.view import (
     ModelView,
     Norm,
     iter_tensors,
+    map_named_tensors,
     map_tensors,
 )
 from lmc_mergekit.symmetry.transform import LayerTransform, Transform, kv_permutation
@@ -31,60 +32,112 @@ from lmc_mergekit.symmetry.transform import LayerTransform, Transform, kv_permut
 MIN_GAIN = 1e-6
 
 
-def apply_transform(view: ModelView, transform: Transform) -> TransformedView:
-    """The view of ``view`` moved by ``transform`` (lazy: parts are transformed when read)."""
+def apply_transform(
+    view: ModelView, transform: Transform, dtype: torch.dtype | None = None
+) -> TransformedView:
+    """The view of ``view`` moved by ``transform`` (lazy: parts are transformed when read),
+    computed in float64 and rounded once to each tensor's own dtype, or to ``dtype``."""
     transform.check_fits(view.spec)
-    return TransformedView(view, transform.to(torch.float64))
+    return TransformedView(view, transform.to(torch.float64), dtype)
 
 
 class TransformedView:
-    """A :class:`ModelView` whose parts are those of ``source`` moved by ``transform``."""
+    """A :class:`ModelView` whose parts are those of ``source`` moved by ``transform``, each
+    tensor computed in float64 and rounded once to its source tensor's dtype (or to ``dtype``).
+    The embeddings and the head are moved in slices of rows (each row moves on its own), so
+    that no float64 copy of a whole vocabulary exists."""
 
-    def __init__(self, source: ModelView, transform: Transform):
+    def __init__(self, source: ModelView, transform: Transform, dtype: torch.dtype | None = None):
         self.source = source
         self.transform = transform
+        self.dtype = dtype
         # Norms normalise away a global scale g exactly when their eps scales by g².
         self.spec: ModelSpec = replace(
             source.spec, norm_eps=source.spec.norm_eps * transform.scale**2
         )
 
     def embeddings(self) -> Embeddings:
-        return _in_float64(
-            self.source.embeddings(), lambda e: transform_embeddings(e, self.transform)
+        return _by_rows(
+            self.source.embeddings(),
+            "tokens",
+            lambda e: transform_embeddings(e, self.transform),
+            self.dtype,
         )
 
     def block(self, index: int) -> Block:
         return _in_float64(
             self.source.block(index),
             lambda b: transform_block(b, self.source.spec, self.transform, index),
+            self.dtype,
         )
 
     def head(self) -> Head:
-        return _in_float64(self.source.head(), lambda h: transform_head(h, self.transform))
+        return _by_rows(
+            self.source.head(), "weight", lambda h: transform_head(h, self.transform), self.dtype
+        )
 
 
-def _in_float64(part, fn):
-    dtype = next(t for _, t in iter_tensors(part)).dtype
+# Rows of an embedding or head moved at once (a slice of 8192 × 4096 float64 is 256 MiB).
+ROW_SLICE = 8192
+
+
+def _in_float64(part, fn, dtype: torch.dtype | None = None):
+    """``fn`` applied to ``part`` in float64, each result rounded once to the dtype of the
+    source tensor of the same name (mixed-dtype checkpoints keep their dtypes), or to
+    ``dtype``."""
+    dtypes = {name: t.dtype for name, t in iter_tensors(part) if t.is_floating_point()}
+    fallback = next(iter(dtypes.values()))
     out = fn(map_tensors(part, lambda t: t.double() if t.is_floating_point() else t))
-    return map_tensors(out, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return map_named_tensors(
+        out,
+        lambda name, t: t.to(dtype or dtypes.get(name, fallback)) if t.is_floating_point() else t,
+    )
+
+
+def _by_rows(part, field: str, fn, dtype: torch.dtype | None = None):
+    """:func:`_in_float64` for a part whose tensor ``field`` ``fn`` moves row by row: run on
+    slices of its rows, the other tensors taken from the first slice."""
+    rows = getattr(part, field)
+    if rows.shape[0] <= ROW_SLICE:
+        return _in_float64(part, fn, dtype)
+    first, out = None, None
+    for start in range(0, rows.shape[0], ROW_SLICE):
+        moved = _in_float64(replace(part, **{field: rows[start : start + ROW_SLICE]}), fn, dtype)
+        piece = getattr(moved, field)
+        if out is None:
+            first = moved
+            out = piece.new_empty((rows.shape[0], *piece.shape[1:]))
+        out[start : start + piece.shape[0]] = piece
+    return replace(first, **{field: out})
 
 
 # ---- the parts --------------------------------------------------------------------------
 
 
 def transform_embeddings(emb: Embeddings, t: Transform) -> Embeddings:
-    """Embeddings write the residual stream: ``E ← g·E·Q``."""
+    """Embeddings (and a multimodal projector, which writes image features in place of the
+    image tokens' embeddings) write the residual stream: ``E ← g·E·Q``."""
     return replace(
         emb,
         tokens=_write(emb.tokens, t),
         positions=None if emb.positions is None else _write(emb.positions, t),
+        projector=None if emb.projector is None else _write(emb.projector, t),
     )
 
 
 def transform_head(head: Head, t: Transform) -> Head:
-    """The LM head reads through the final norm."""
-    norm, [(weight, bias)] = _read_stream(head.norm, [(head.weight, head.bias)], t)
-    return replace(head, norm=norm, weight=weight, bias=bias)
+    """The LM head reads through the final norm. A head kept tied to the embeddings moves as
+    they do (``W ← g·W·Q``) and the final norm keeps its gain, moved by ``|Q|`` and divided by
+    ``g``: ``(γ|Q|/g ⊙ x̂Q)·(g·W·Q)ᵀ = (γ ⊙ x̂)·Wᵀ`` for a signed permutation ``Q``."""
+    if not t.keep_tie:
+        norm, [(weight, bias)] = _read_stream(head.norm, [(head.weight, head.bias)], t)
+        return replace(head, norm=norm, weight=weight, bias=bias)
+    norm = head.norm
+    gain, bias = norm.gain, norm.bias
+    if t.rotation is not None:
+        gain, bias = gain @ t.rotation.abs(), None if bias is None else bias @ t.rotation
+    moved = norm.with_gain(_scaled(gain, t, -1), _scaled(bias, t, -1))
+    return replace(head, norm=moved, weight=_write(head.weight, t))
 
 
 def transform_block(block: Block, spec: ModelSpec, t: Transform, index: int) -> Block:
