@@ -1,13 +1,15 @@
 """``lmc_dm`` recipes on zoo pairs through the whole tool: one table row per pair.
 
     python benchmarks/lmc_dm_recipe.py [--zoo DIR] [--arch qwen3 gemma2] [--hidden 128]
-        [--zoo-steps 1500] [--steps 600]
+        [--zoo-steps 1500] [--steps 600] [--tied --tied-embeddings untie keep]
 
 Builds (or reuses) the zoo pair of each architecture (seeds 0 and 1), runs an ``lmc_dm``
 recipe (weight matching, then ``--steps`` of dual learned matching with the defaults) through
 ``lmc-mergekit-yaml``'s pipeline, and prints, from its ``lmc_report.json``: endpoint test
 losses, the raw barrier, after weight matching and after learned matching, the share removed,
 the merged model's loss, the learned families, the learning time and the whole command's time.
+With ``--tied`` the zoo pairs tie their heads to their embeddings, and each pair runs once per
+``--tied-embeddings`` setting (``untie``, ``keep``).
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ HEADER = (
 )
 
 
-def pair_row(label: str, a: Path, b: Path, steps: int, work: Path, options: MergeOptions) -> str:
-    """The table row of an ``lmc_dm`` recipe (``steps`` of learned matching) on ``a`` and
-    ``b``, run through the pipeline into ``work``."""
+def pair_row(
+    label: str, a: Path, b: Path, steps: int, work: Path, options: MergeOptions, **alignment
+) -> str:
+    """The table row of an ``lmc_dm`` recipe (``steps`` of learned matching, and any other
+    ``alignment`` settings) on ``a`` and ``b``, run through the pipeline into ``work``."""
     recipe = {
         "merge_method": "lmc_dm",
         "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)],
         "dtype": "float32",
-        "alignment": {"steps": steps},
+        "alignment": {"steps": steps, **alignment},
     }
     path = work / f"{label}.yml"
     path.write_text(yaml.safe_dump(recipe))
@@ -66,13 +70,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--zoo-steps", type=int, default=1500)
     parser.add_argument("--steps", type=int, default=600, help="learned-matching steps")
+    parser.add_argument("--tied", action="store_true", help="zoo pairs with tied heads")
+    parser.add_argument(
+        "--tied-embeddings", nargs="+", default=["untie"], choices=["untie", "keep"]
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lmc-dm-bench-"))
     print(HEADER)
     for arch in args.arch:
-        a, b = build_zoo(args.zoo, arch, args.hidden, args.layers, (0, 1), args.zoo_steps)
-        row = pair_row(f"{arch} d={args.hidden}", a, b, args.steps, work, MergeOptions(quiet=True))
-        print(row, flush=True)
+        a, b = build_zoo(
+            args.zoo, arch, args.hidden, args.layers, (0, 1), args.zoo_steps, tied=args.tied
+        )
+        for tie in args.tied_embeddings if args.tied else ["untie"]:
+            label = f"{arch} d={args.hidden}" + (f", tied, {tie}" if args.tied else "")
+            options = MergeOptions(quiet=True)
+            row = pair_row(label, a, b, args.steps, work, options, tied_embeddings=tie)
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

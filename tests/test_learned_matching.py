@@ -340,8 +340,11 @@ def test_two_sharded_processes_learn_what_one_process_learns(trained_pair, tmp_p
             load_file(next((tmp_path / c).glob(f"lmc_dm/*/model-{index}/model.safetensors")))
             for c in ("cache-one", "cache-two")
         )
+        # Sums reduce in another order over two processes (halves of each batch, of the used
+        # embedding rows, of the loss pieces); Adam's normalised steps carry that rounding
+        # through 20 steps to a few 1e-5. A sharding bug moves weights by 1e-2 or more.
         for name, tensor in one.items():
-            torch.testing.assert_close(two[name], tensor, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(two[name], tensor, atol=1e-4, rtol=1e-4)
     # Both ran the same 20 steps on the same global batches.
     losses = [
         json.loads((tmp_path / f / "lmc_report.json").read_text())["learning"]["losses"]

@@ -116,6 +116,41 @@ def test_tied_embeddings_are_untied_only_when_needed(model_dirs, tmp_path, varia
     assert open_model(tmp_path / "rot").spec.tied_embeddings is False
 
 
+TIED = ["llama_gqa_tied", "qwen2_gqa_bias_tied", "gpt2_tied", "gemma", "gemma3_text"]
+
+
+@pytest.mark.parametrize("variant", TIED)
+def test_a_kept_tie_stays_tied_and_keeps_the_function(model_dirs, tmp_path, variant):
+    """``keep_tie``: a signed permutation (a permutation under LayerNorm), a global scale and
+    every per-layer symmetry, with the final norm's gain kept: the written checkpoint is tied,
+    stores no head, and computes the same logits."""
+    src = model_dirs[variant]
+    spec = open_model(src).spec
+    transform = random_transform(spec, seed=4, keep_tie=True)
+    assert abs(transform.scale - 1) > 0.05
+    ids = probe_ids()
+    moved, written = transformed_logits(src, tmp_path / "kept", transform, ids)
+    torch.testing.assert_close(moved, logits(src, ids), atol=ATOL, rtol=0)
+    assert written.tied_embeddings and open_model(tmp_path / "kept").spec.tied_embeddings
+    stored = load_file(tmp_path / "kept" / "model.safetensors")
+    assert not any(name.startswith("lm_head") for name in stored)
+    group = symmetry_group(spec, keep_tie=True)
+    assert group.residual == ("permutation" if spec.norm == "layernorm" else "signed_permutation")
+    assert "residual" not in group.learnable
+    # A rotation outside it is refused, naming the setting.
+    rotation = random_orthogonal(spec.hidden_size, generator())
+    with pytest.raises(LmcError, match="tied_embeddings: keep"):
+        apply_transform(
+            open_model(src), Transform(spec.num_layers, rotation=rotation, keep_tie=True)
+        )
+
+
+def test_keeping_a_tie_needs_a_tied_model(model_dirs):
+    view = open_model(model_dirs["llama"])
+    with pytest.raises(LmcError, match="are not tied"):
+        apply_transform(view, Transform(view.spec.num_layers, keep_tie=True))
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     seed=st.integers(0, 2**16),

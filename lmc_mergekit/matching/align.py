@@ -35,11 +35,12 @@ MATCHED_FILE = "weight-matching-{}.safetensors"
 class AlignConfig:
     """``matching``: ``weights`` (weight matching, then learned matching when ``learning`` is
     given) or ``none`` (the models as they are: the baseline); ``max_iterations``: most rounds of
-    weight matching."""
+    weight matching; ``keep_tie``: tied embeddings stay tied (the models must tie them)."""
 
     matching: Literal["none", "weights"] = "weights"
     max_iterations: int = 30
     learning: LearningConfig | None = None
+    keep_tie: bool = False
 
 
 @dataclass
@@ -109,7 +110,8 @@ def match_all(
     other model; a transform saved in ``reuse_from`` is reused, a new one saved in ``keep_in``
     (weight matching's heavy products run on ``device``)."""
     absorb = config.matching != "none"
-    transforms = [Transform(views[0].spec.num_layers, absorb_norms=absorb)]
+    keep_tie = absorb and config.keep_tie
+    transforms = [Transform(views[0].spec.num_layers, absorb_norms=absorb, keep_tie=keep_tie)]
     records = []
     for index, view in enumerate(views[1:], start=1):
         if not absorb:
@@ -121,7 +123,12 @@ def match_all(
             records.append({"model": str(view.folder), "reused": str(saved)})
             continue
         result = match_weights(
-            views[0], view, max_iterations=config.max_iterations, device=device, progress=progress
+            views[0],
+            view,
+            max_iterations=config.max_iterations,
+            device=device,
+            progress=progress,
+            keep_tie=keep_tie,
         )
         transforms.append(result.transform)
         if keep_in is not None:

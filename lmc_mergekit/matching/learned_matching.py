@@ -68,6 +68,8 @@ class LearningConfig:
     checkpoint_every: int = 50
     seed: int = 0
     max_rollbacks: int = 3
+    #: Keep tied embeddings tied (the residual map then stays weight matching's).
+    keep_tie: bool = False
 
 
 @dataclass
@@ -160,6 +162,7 @@ def learn_symmetries(
             # The first endpoint's scale is redundant with the others': only ratios matter.
             tuple(f for f in config.families if index > 0 or f != "scale"),
             config.parametrization,
+            config.keep_tie,
         )
         for index in range(len(endpoints))
     ]
@@ -168,7 +171,7 @@ def learn_symmetries(
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
     if not params:
-        admitted = symmetry_group(spec).learnable
+        admitted = symmetry_group(spec, config.keep_tie).learnable
         raise LmcError(
             f"alignment learns nothing: of the families asked for ({', '.join(config.families)}) "
             f"the {spec.architecture} model admits none as a continuous symmetry (it admits "
@@ -221,11 +224,11 @@ def learn_symmetries(
             if checkpoint is not None and processes.is_main:
                 state.save(checkpoint, snapshot, config)
             if on_checkpoint is not None:
-                on_checkpoint(state.step, _transforms(learned, spec.num_layers))
+                on_checkpoint(state.step, _transforms(learned, spec.num_layers, config.keep_tie))
     bar.close()
     processes.barrier()
     return LearningResult(
-        transforms=_transforms(learned, spec.num_layers),
+        transforms=_transforms(learned, spec.num_layers, config.keep_tie),
         losses=state.losses,
         seconds=time.perf_counter() - start,
         rollbacks=state.rollbacks,
@@ -238,10 +241,14 @@ def learn_symmetries(
     )
 
 
-def _transforms(learned: list[LearnedSymmetry | None], num_layers: int) -> list[Transform]:
+def _transforms(
+    learned: list[LearnedSymmetry | None], num_layers: int, keep_tie: bool
+) -> list[Transform]:
     """The current symmetries (an endpoint held fixed gets the identity)."""
     return [
-        Transform(num_layers, absorb_norms=True) if s is None else s.frozen_transform()
+        Transform(num_layers, absorb_norms=True, keep_tie=keep_tie)
+        if s is None
+        else s.frozen_transform()
         for s in learned
     ]
 

@@ -26,7 +26,19 @@ def residual_procrustes(k: torch.Tensor, group: Residual) -> torch.Tensor:
         return ones_fixing_procrustes(k)
     if group == "signed_permutation":
         return signed_permutation_procrustes(k)
+    if group == "permutation":
+        return permutation_procrustes(k)
     return orthogonal_procrustes(k)
+
+
+def permutation_procrustes(k: torch.Tensor) -> torch.Tensor:
+    """Like :func:`orthogonal_procrustes`, restricted to permutations: the linear assignment
+    maximising ``Σ K[i, π(i)]``."""
+    k = k.double()
+    rows, cols = linear_sum_assignment(k.numpy(), maximize=True)
+    r = torch.zeros_like(k)
+    r[torch.as_tensor(rows), torch.as_tensor(cols)] = 1.0
+    return r
 
 
 def signed_permutation_procrustes(k: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot
 from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, align
 from lmc_mergekit.matching.learned_matching import LearningConfig
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
+from lmc_mergekit.models.checkpoint import stored_dtype
+from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
@@ -103,6 +105,12 @@ class AlignmentSettings(TextSettings):
         "weighted average)",
     )
     points: int = Field(11, ge=3, description="λ grid points along the path")
+    tied_embeddings: Literal["untie", "keep"] = Field(
+        "untie",
+        description="models whose head is tied to their embeddings: untie (any residual "
+        "rotation; writes a separate LM head) or keep (residual maps restricted to signed "
+        "permutations, final norm gain kept, tied checkpoints)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> AlignmentSettings:
@@ -127,8 +135,10 @@ class AlignmentSettings(TextSettings):
     def combining_method(self) -> str | None:
         return self.combine
 
-    def align_config(self) -> AlignConfig:
-        """What :func:`~lmc_mergekit.matching.align.align` does for these settings."""
+    def align_config(self, tied: bool) -> AlignConfig:
+        """What :func:`~lmc_mergekit.matching.align.align` does for these settings, on models
+        that tie their embeddings (``tied``) or not."""
+        keep_tie = tied and self.tied_embeddings == "keep"
         learning = None
         if self.steps:
             learning = LearningConfig(
@@ -143,8 +153,9 @@ class AlignmentSettings(TextSettings):
                 parametrization=self.parametrization,
                 checkpoint_every=self.checkpoint_every,
                 seed=self.seed,
+                keep_tie=keep_tie,
             )
-        return AlignConfig(self.matching, self.max_iterations, learning)
+        return AlignConfig(self.matching, self.max_iterations, learning, keep_tie)
 
 
 class LearningRecord(Record):
@@ -165,12 +176,40 @@ class LearningRecord(Record):
     losses: list[float]
 
 
+class TieRecord(Record):
+    """What became of inputs that tie their LM head to their embeddings: kept tied, or untied
+    (a separate head of ``vocab × hidden`` parameters added to every prepared input and to the
+    merged model; bytes as stored)."""
+
+    kept: bool
+    added_parameters: int
+    added_bytes: int
+
+    def card_line(self) -> str:
+        """One sentence for the model card."""
+        if self.kept:
+            return (
+                "The inputs tie their LM head to their embeddings and the merge keeps it tied "
+                "(`tied_embeddings: keep`: residual maps restricted to signed permutations)."
+            )
+        return (
+            "The inputs tie their LM head to their embeddings; alignment untied it "
+            "(`tied_embeddings: untie`), adding an LM head of "
+            f"{self.added_parameters:,} parameters ({self.added_bytes / 2**20:,.0f} MiB as "
+            "stored) to the merged model."
+        )
+
+
 class AlignmentPreparation(Record):
-    """What the pass did: each weight match, the learning run, and how long each stage took."""
+    """What the pass did: each weight match, the learning run, how long each stage took, and
+    for tied inputs what became of the tie."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tied_embeddings",)
 
     matching: list[dict]
     learning: LearningRecord | None
     seconds: dict[str, float]
+    tied_embeddings: TieRecord | None = None
 
 
 class PairPaths(Record):
@@ -190,7 +229,7 @@ class AlignmentReport(Report):
     """``lmc_report.json``."""
 
     file_name: ClassVar[str] = "lmc_report.json"
-    omit_if_none: ClassVar[tuple[str, ...]] = ("merged",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("merged", "tied_embeddings")
 
     method: str = "lmc_dm"
     settings: AlignmentSettings
@@ -201,16 +240,24 @@ class AlignmentReport(Report):
     pairs: list[PairPaths]
     seconds: dict[str, float]
     merged: MergedLoss | None = None
+    tied_embeddings: TieRecord | None = None
 
     def card_section(self) -> str:
-        """Markdown quoting the barriers before and after alignment and the merged loss."""
+        """Markdown on the tie of tied inputs, and quoting the barriers before and after
+        alignment and the merged loss."""
+        tie = "" if self.tied_embeddings is None else self.tied_embeddings.card_line() + "\n"
         if not self.settings.evaluate:
-            return ""
+            return tie
         lines = [
+            tie,
             "### Loss barrier (lmc-mergekit report)\n",
             f"Test split of {self.data.description} ({self.data.tokens} tokens). Barrier = "
             "highest loss along the straight path between two models minus the mean of their "
             "own losses, for the raw checkpoints and after each alignment stage.\n",
+        ]
+        if note := self.data.tokenizer_note():
+            lines.append(note + "\n")
+        lines += [
             "| models | endpoint losses | raw | weight matching | learned matching |",
             "|---|---|---|---|---|",
         ]
@@ -237,7 +284,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
     views = ctx.open_inputs()
     if len(views) < 2:
         raise LmcError("lmc_dm merges two or more models; the recipe lists one")
-    config = settings.align_config()
+    config = settings.align_config(views[0].spec.tied_embeddings)
     ctx.load_test()  # data before any heavy work
     calibration = None
     if config.learning is not None:
@@ -262,7 +309,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
     if not ctx.processes.is_main:
         return AlignmentPreparation(matching=alignment.matching, learning=learning, seconds={})
     started = time.perf_counter()
-    write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx)
+    written = write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx)
     seconds["writing_and_self_check"] = time.perf_counter() - started
     if learning is not None:  # the measurement walks the weight-matched paths too (same files)
         ctx.artefacts.mkdir(parents=True, exist_ok=True)
@@ -272,12 +319,16 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         matching=alignment.matching,
         learning=learning,
         seconds={key: round(value, 3) for key, value in seconds.items()},
+        tied_embeddings=_tie_record(views[0].spec, written[0], ctx.outputs[0]),
     )
 
 
-def write_moved(inputs, outputs, transforms: list[Transform], ctx, progress: bool = True) -> None:
-    """Every input moved by its transform into ``outputs`` (each self-checked)."""
-    for source, out, transform in zip(inputs, outputs, transforms, strict=True):
+def write_moved(
+    inputs, outputs, transforms: list[Transform], ctx, progress: bool = True
+) -> list[ModelSpec]:
+    """Every input moved by its transform into ``outputs`` (each self-checked); the written
+    specs."""
+    return [
         transform_checkpoint(
             source,
             out,
@@ -285,7 +336,21 @@ def write_moved(inputs, outputs, transforms: list[Transform], ctx, progress: boo
             max_shard_size=min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
             progress=progress and not ctx.options.quiet,
             trust_remote_code=ctx.options.trust_remote_code,
-        )
+        )[0]
+        for source, out, transform in zip(inputs, outputs, transforms, strict=True)
+    ]
+
+
+def _tie_record(source: ModelSpec, written: ModelSpec, folder: Path) -> TieRecord | None:
+    """What became of a tied input's tie (None for untied inputs)."""
+    if not source.tied_embeddings:
+        return None
+    parameters = 0 if written.tied_embeddings else source.vocab_size * source.hidden_size
+    return TieRecord(
+        kept=written.tied_embeddings,
+        added_parameters=parameters,
+        added_bytes=parameters * stored_dtype(folder).itemsize,
+    )
 
 
 def measure(ctx: MeasureContext) -> AlignmentReport:
@@ -300,6 +365,7 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
         learning=preparation.learning,
         pairs=[],
         seconds=dict(preparation.seconds),
+        tied_embeddings=preparation.tied_embeddings,
     )
     if ctx.test is None:
         return report

@@ -7,6 +7,9 @@ the learned parametrisations and size conversion all ask it (reference notes §2
   fixing the all-ones vector when they are LayerNorms (which subtract the mean); only **signed
   permutations** when a gain sits after a normalisation on the write path (post-norms and
   sandwich norms), since an elementwise gain commutes with no other orthogonal map;
+- where tied embeddings must stay tied (``tied_embeddings: keep``), residual maps reduce to
+  signed permutations (permutations under LayerNorm): the head reads the embedding through the
+  final norm's gain, ``E·diag(γ)·norm(x)``, and ``Qᵀ·diag(γ')·Q`` is diagonal only for those;
 - a global scale of the stream, always (norms normalise it away once their eps scales by g²);
 - head and FFN neuron permutations, always (GQA-aware: whole key/value groups);
 - QK maps (RoPE-commuting on rotary pairs, free on the other dims) unless queries and keys are
@@ -23,7 +26,7 @@ from typing import Literal
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.view import ModelSpec
 
-Residual = Literal["orthogonal", "ones_fixing", "signed_permutation"]
+Residual = Literal["orthogonal", "ones_fixing", "signed_permutation", "permutation"]
 #: The families of learned matching (continuous symmetries).
 FAMILIES: tuple[str, ...] = ("residual", "scale", "qk", "ov")
 
@@ -49,13 +52,14 @@ class SymmetryGroup:
     @property
     def learnable(self) -> tuple[str, ...]:
         """The learned-matching families that are continuous symmetries of this model."""
-        discrete = {"residual"} if self.residual == "signed_permutation" else set()
+        discrete = {"residual"} if self.residual in ("signed_permutation", "permutation") else set()
         absent = set() if self.qk_maps else {"qk"}
         return tuple(f for f in FAMILIES if f not in discrete | absent)
 
 
-def symmetry_group(spec: ModelSpec) -> SymmetryGroup:
-    """The symmetry group of models of ``spec``."""
+def symmetry_group(spec: ModelSpec, keep_tie: bool = False) -> SymmetryGroup:
+    """The symmetry group of models of ``spec``; with ``keep_tie``, of those whose tied
+    embeddings must stay tied."""
     why = {}
     if spec.post_norms:
         residual: Residual = "signed_permutation"
@@ -70,6 +74,15 @@ def symmetry_group(spec: ModelSpec) -> SymmetryGroup:
         )
     else:
         residual = "orthogonal"
+    if keep_tie and spec.tied_embeddings:
+        # A sign flip moves the mean a LayerNorm subtracts: permutations only there.
+        residual = "permutation" if residual == "ones_fixing" else "signed_permutation"
+        why["residual"] = (
+            "its head is tied to its embeddings and reads them through the final norm's gain "
+            "(tied_embeddings: keep), which commutes with "
+            + ("permutations" if residual == "permutation" else "signed permutations")
+            + " only"
+        )
     qk_maps = spec.qk_norm == "none"
     if not qk_maps:
         where = "per head" if spec.qk_norm == "head" else "over the whole projection"

@@ -91,13 +91,15 @@ class LearnedSymmetry(nn.Module):
         spec: ModelSpec,
         families: tuple[str, ...] = FAMILIES,
         parametrization: Parametrization = "polar",
+        keep_tie: bool = False,
     ):
         super().__init__()
         self.spec = spec
         self.kind = parametrization
+        self.keep_tie = keep_tie
         # Only continuous symmetries the model admits: no residual rotation for post-norm
-        # models (signed permutations are discrete), no QK maps under QK-norm.
-        admitted = symmetry_group(spec).learnable
+        # models or kept ties (signed permutations are discrete), no QK maps under QK-norm.
+        admitted = symmetry_group(spec, keep_tie).learnable
         self.families = tuple(f for f in admitted if f in families)
         d, layers, kv, dh = spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.head_dim
         half, free = spec.rotary_dims // 2, spec.head_dim - spec.rotary_dims
@@ -171,6 +173,7 @@ class LearnedSymmetry(nn.Module):
             rotation=self.rotation(),
             scale=scale,
             layers=layers,
+            keep_tie=self.keep_tie,
         )
 
     def frozen_transform(self) -> Transform:

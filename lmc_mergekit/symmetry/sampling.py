@@ -79,19 +79,27 @@ def random_signed_permutation(d: int, generator: torch.Generator) -> torch.Tenso
     return torch.eye(d, dtype=torch.float64)[torch.randperm(d, generator=generator)] * signs
 
 
-def random_residual_map(spec: ModelSpec, generator: torch.Generator) -> torch.Tensor:
+def random_residual_map(
+    spec: ModelSpec, generator: torch.Generator, keep_tie: bool = False
+) -> torch.Tensor:
     """A random element of the residual group ``spec`` admits (see :mod:`.group`)."""
-    residual = symmetry_group(spec).residual
+    residual = symmetry_group(spec, keep_tie).residual
     if residual == "signed_permutation":
         return random_signed_permutation(spec.hidden_size, generator)
+    if residual == "permutation":
+        return random_signed_permutation(spec.hidden_size, generator).abs()
     return random_orthogonal(spec.hidden_size, generator, fix_ones=residual == "ones_fixing")
 
 
 def random_transform(
-    spec: ModelSpec, seed: int = 0, scale_range: tuple[float, float] = (0.5, 2.0)
+    spec: ModelSpec,
+    seed: int = 0,
+    scale_range: tuple[float, float] = (0.5, 2.0),
+    keep_tie: bool = False,
 ) -> Transform:
-    """A random element of exactly the group ``spec`` admits (:func:`.group.symmetry_group`):
-    residual map, scale, permutations and maps."""
+    """A random element of exactly the group ``spec`` admits (:func:`.group.symmetry_group`;
+    with ``keep_tie``, the one keeping tied embeddings tied): residual map, scale,
+    permutations and maps."""
     group = symmetry_group(spec)
     gen = torch.Generator().manual_seed(seed)
     low, high = (math.log(x) for x in scale_range)
@@ -110,7 +118,8 @@ def random_transform(
     return Transform(
         num_layers=spec.num_layers,
         absorb_norms=True,
-        rotation=random_residual_map(spec, gen),
+        rotation=random_residual_map(spec, gen, keep_tie),
         scale=scale,
         layers=tuple(layers),
+        keep_tie=keep_tie,
     )

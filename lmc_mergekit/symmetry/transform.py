@@ -10,6 +10,10 @@ composition stays in this normal form.
 Norm absorption is a re-parametrisation, not an invertible element: the inverse of a transform
 that absorbs also absorbs (``t.then(t.inverse())`` is an absorbed copy of the model, computing
 the same function).
+
+A transform that keeps tied embeddings tied (``keep_tie``) leaves the final norm's gain in place
+and moves the head as the embedding it is tied to (``W ← g·W·Q``, ``γ ← γ·|Q|/g``); its residual
+map must then be a signed permutation (a permutation under LayerNorm).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class Transform:
     #: A float, or a 0-d tensor while it is being learned.
     scale: float | torch.Tensor = 1.0
     layers: tuple[LayerTransform, ...] = field(default=())
+    #: Keep tied embeddings tied: the final norm keeps its gain (see the module docstring).
+    keep_tie: bool = False
 
     def __post_init__(self):
         if not self.layers:
@@ -84,6 +90,7 @@ class Transform:
             layers=tuple(
                 replace(layer, qk=cast(layer.qk), ov=cast(layer.ov)) for layer in self.layers
             ),
+            keep_tie=self.keep_tie,
         )
 
     # ---- group structure ----------------------------------------------------------------
@@ -100,6 +107,7 @@ class Transform:
             layers=tuple(
                 _compose_layers(a, b) for a, b in zip(self.layers, other.layers, strict=True)
             ),
+            keep_tie=self.keep_tie or other.keep_tie,
         )
 
     def inverse(self) -> Transform:
@@ -110,6 +118,7 @@ class Transform:
             rotation=None if self.rotation is None else self.rotation.T.clone(),
             scale=1.0 / self.scale,
             layers=tuple(_invert_layer(layer) for layer in self.layers),
+            keep_tie=self.keep_tie,
         )
 
     # ---- validation ---------------------------------------------------------------------
@@ -122,7 +131,14 @@ class Transform:
                 f"transform is for {self.num_layers} layers but the {name} model has "
                 f"{spec.num_layers}; use a transform made for this model"
             )
-        group = symmetry_group(spec)
+        if self.keep_tie and not spec.tied_embeddings:
+            raise LmcError(
+                f"transform keeps tied embeddings tied, but the {name} model's are not tied; "
+                "use a transform made for this model"
+            )
+        if not torch.isfinite(torch.as_tensor(self.scale)).all():
+            raise LmcError(f"transform scale is {float(self.scale)}; it must be finite")
+        group = symmetry_group(spec, self.keep_tie)
         if self.rotation is not None:
             _check_rotation(self.rotation.double(), spec, group)
         for index, layer in enumerate(self.layers):
@@ -133,6 +149,8 @@ def _check_rotation(q: torch.Tensor, spec: ModelSpec, group: SymmetryGroup) -> N
     d = spec.hidden_size
     if q.shape != (d, d):
         raise LmcError(f"transform rotation is {tuple(q.shape)} but the model's hidden size is {d}")
+    if not torch.isfinite(q).all():
+        raise LmcError("transform rotation holds NaN or Inf values")
     err = float((q.T @ q - torch.eye(d, dtype=q.dtype)).abs().max())
     if err > ORTHOGONALITY_TOL:
         raise LmcError(f"transform rotation is not orthogonal (|QᵀQ - I| = {err:.2e})")
@@ -147,6 +165,8 @@ def _check_rotation(q: torch.Tensor, spec: ModelSpec, group: SymmetryGroup) -> N
             )
     if group.residual == "signed_permutation" and not is_signed_permutation(q):
         raise group.refuse("residual", "a residual rotation other than a signed permutation")
+    if group.residual == "permutation" and not (is_signed_permutation(q) and (q > -0.5).all()):
+        raise group.refuse("residual", "a residual rotation other than a permutation")
 
 
 def is_signed_permutation(q: torch.Tensor) -> bool:
@@ -282,6 +302,7 @@ def save_transform(transform: Transform, path: str | Path) -> None:
         "num_layers": str(transform.num_layers),
         "absorb_norms": json.dumps(transform.absorb_norms),
         "scale": repr(float(transform.scale)),
+        "keep_tie": json.dumps(transform.keep_tie),
     }
     save_file(tensors, str(path), metadata=metadata)
 
@@ -318,4 +339,5 @@ def load_transform(path: str | Path) -> Transform:
         rotation=tensors.get("rotation"),
         scale=float(metadata["scale"]),
         layers=tuple(layers),
+        keep_tie=json.loads(metadata.get("keep_tie", "false")),
     )

@@ -54,10 +54,11 @@ def zoo_model_name(
     batch_size: int = DEFAULT_BATCH,
     lr: float = DEFAULT_LR,
     warmup: int = DEFAULT_WARMUP,
+    tied: bool = False,
 ) -> str:
     """The folder name of a zoo model, e.g. ``gpt_neox-d128-l4-s1500-seed0``; settings that
     differ from the defaults and the fingerprint of non-bundled text are added before the seed
-    (``gpt_neox-d32-l2-s30-v512-ctx32-data1a2b3c4d-seed0``)."""
+    (``gpt_neox-d32-l2-s30-v512-ctx32-tied-data1a2b3c4d-seed0``)."""
     parts = [arch, f"d{hidden}", f"l{layers}", f"s{steps}"]
     for tag, value, default in (
         ("v", vocab_size, DEFAULT_VOCAB),
@@ -68,6 +69,8 @@ def zoo_model_name(
     ):
         if value != default:
             parts.append(f"{tag}{value:g}" if isinstance(value, float) else f"{tag}{value}")
+    if tied:
+        parts.append("tied")
     if data_tag:
         parts.append(f"data{data_tag}")
     return "-".join([*parts, f"seed{seed}"])
@@ -90,12 +93,14 @@ def build_zoo_model(
     lr: float = DEFAULT_LR,
     warmup: int = DEFAULT_WARMUP,
     device: str | torch.device = "cpu",
+    tied: bool = False,
 ) -> Path:
     """The folder ``root/<name>`` of a zoo model trained from scratch with these settings on
     ``data_source`` (``None``: the bundled corpus); trained and saved only if no finished one
     is there. The tokenizer is trained once per text and vocabulary size and cached under
     ``root/.tokenizers``. Training is bitwise reproducible on one device (the CPU by default:
-    a model trained on a GPU is a different model under the same name)."""
+    a model trained on a GPU is a different model under the same name). ``tied`` ties the LM
+    head to the token embeddings, as small Llama 3.2, Qwen3 and every Gemma do."""
     check_architecture(arch, hidden, layers)
     root = Path(root).expanduser().absolute()
     source = None if data_source is None else str(data_source)
@@ -112,6 +117,7 @@ def build_zoo_model(
         batch_size=batch_size,
         lr=lr,
         warmup=warmup,
+        tied=tied,
     )
     out = root / name
     if (out / ZOO_INFO).is_file():
@@ -125,7 +131,9 @@ def build_zoo_model(
     data = DataConfig(source=source, field=field, seq_len=seq_len)
     tokenizer_dir = cached_tokenizer(root, source, field, vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = zoo_config(arch, hidden, layers, len(tokenizer), seq_len, tokenizer.eos_token_id)
+    config = zoo_config(
+        arch, hidden, layers, len(tokenizer), seq_len, tokenizer.eos_token_id, tied=tied
+    )
     # Training runs inside the staged folder: an interrupted build leaves only a hidden
     # ".<name>.partial-*" folder (removed on any Python-level error), never a finished-looking one.
     with staged_folder(out, "replace") as tmp:

@@ -2,7 +2,8 @@
 models of the modern families (Qwen3, Gemma 2, Gemma 3, Phi-3, OLMo 2) built like the Llama.
 
 All use 32-dimensional heads, so the head count follows from the width, and untied
-embeddings, so the embedding and the unembedding are separate matrices to align and merge.
+embeddings by default, so the embedding and the unembedding are separate matrices to align and
+merge (``tied`` ties them, as small Llama 3.2, Qwen3 and every Gemma do).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def zoo_config(
     vocab_size: int,
     seq_len: int,
     special_token_id: int = 0,
+    tied: bool = False,
 ) -> PretrainedConfig:
     """The config of a zoo model; ``special_token_id`` is the tokenizer's ``<|endoftext|>``,
-    used as bos, eos and pad."""
+    used as bos, eos and pad; ``tied`` ties the head to the token embeddings."""
     check_architecture(arch, hidden, layers)
     heads = hidden // HEAD_DIM
     common = dict(
@@ -52,7 +54,7 @@ def zoo_config(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=special_token_id,
         eos_token_id=special_token_id,
         pad_token_id=special_token_id,

@@ -1,0 +1,79 @@
+"""Tied embeddings through lmc_dm: ``tied_embeddings: untie`` writes a separate head and says
+what it adds; ``keep`` keeps every prepared input and the merge tied, with the function kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from safetensors import safe_open
+from tokenizer_helpers import model_with_tokenizer
+
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
+
+EVAL = {"seq_len": 32, "eval_sequences": 8, "points": 3, "batch_size": 2}
+
+
+@pytest.fixture(scope="module")
+def tied_pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tied")
+    return tuple(model_with_tokenizer(root / f"m{s}", "llama_gqa_tied", seed=s) for s in (1, 2))
+
+
+def run(pair, tmp_path: Path, **alignment) -> Path:
+    recipe = {
+        "merge_method": "lmc_dm",
+        "models": [{"model": str(p), "parameters": {"weight": 0.5}} for p in pair],
+        "dtype": "float32",
+        "alignment": {"steps": 3, **EVAL, **alignment},
+    }
+    path = tmp_path / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(mergekit_yaml_main, [str(path), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def keys(folder: Path) -> set[str]:
+    found = set()
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as fp:
+            found |= set(fp.keys())
+    return found
+
+
+def tied(folder: Path) -> bool:
+    return json.loads((folder / "config.json").read_text())["tie_word_embeddings"]
+
+
+def test_untie_is_reported_with_the_head_it_adds(tied_pair, tmp_path):
+    out = run(tied_pair, tmp_path)
+    report = json.loads((out / "lmc_report.json").read_text())
+    record = report["tied_embeddings"]
+    config = json.loads((tied_pair[0] / "config.json").read_text())
+    assert record["kept"] is False
+    assert record["added_parameters"] == config["vocab_size"] * config["hidden_size"]
+    assert record["added_bytes"] == 4 * record["added_parameters"]
+    assert not tied(out) and "lm_head.weight" in keys(out)
+    assert "untied it (`tied_embeddings: untie`)" in (out / "README.md").read_text()
+
+
+def test_keep_writes_tied_inputs_and_a_tied_merge(tied_pair, tmp_path):
+    out = run(tied_pair, tmp_path, tied_embeddings="keep")
+    report = json.loads((out / "lmc_report.json").read_text())
+    assert report["tied_embeddings"] == {"kept": True, "added_parameters": 0, "added_bytes": 0}
+    assert "residual" not in report["learning"]["families"]  # signed permutations are discrete
+    assert tied(out) and "lm_head.weight" not in keys(out)
+    for prepared in (tmp_path / "lmc-cache" / "lmc_dm").glob("*/model-*"):
+        assert tied(prepared) and "lm_head.weight" not in keys(prepared)
+    pair = report["pairs"][0]
+    # Every stage keeps both endpoints' own function (and loss).
+    for stage in ("matched", "learned"):
+        assert pair[stage]["endpoint_losses"] == pytest.approx(
+            pair["raw"]["endpoint_losses"], abs=1e-4
+        )
+    assert "keeps it tied" in (out / "README.md").read_text()
