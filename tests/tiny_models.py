@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -211,16 +212,14 @@ def build_model(variant: str, folder: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     config = config_cls(**{"vocab_size": VOCAB, **kwargs, **overrides})
     model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.copy_(0.1 * torch.randn_like(param))
-            elif param.ndim == 1:  # norm gains
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
+    randomise_weights(model)
     model.save_pretrained(folder)
     return folder
+
+
+def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in ``folder``, across its shards."""
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -234,3 +233,66 @@ def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 def probe_ids(seed: int = 0, shape: tuple[int, int] = (2, 24)) -> torch.Tensor:
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# A multimodal Gemma 3 (Gemma3ForConditionalGeneration): the gemma3_text variant's text model,
+# a one-layer SigLIP tower on 32×32 images in 8×8 patches (16 patches pooled into 4 image
+# tokens), the vision head kept (real Gemma 3 drops it: its tensors test the carrying).
+GEMMA3_IMAGE_TOKEN = VOCAB - 1
+GEMMA3_IMAGE_TOKENS = 4
+GEMMA3_IMAGE_SIZE = 32
+
+
+def build_gemma3_multimodal(folder: Path, seed: int = 0, **text_overrides) -> Path:
+    """Save a tiny random multimodal Gemma 3 into ``folder`` (weights randomised as
+    :func:`build_model` does: gains and biases too)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    _, _, text = VARIANTS["gemma3_text"]
+    config = Gemma3Config(
+        text_config={"vocab_size": VOCAB, **text, **text_overrides},
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=GEMMA3_IMAGE_SIZE,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        image_token_index=GEMMA3_IMAGE_TOKEN,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    randomise_weights(model)
+    model.save_pretrained(folder)
+    return folder
+
+
+def randomise_weights(model: torch.nn.Module) -> None:
+    """Biases ~0.1, norm gains ~1 ± 0.3 and matrices ~0.15, from torch's global generator."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            elif param.ndim == 1:  # norm gains
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+
+
+def gemma3_image_inputs(seed: int = 0, length: int = 16) -> dict[str, torch.Tensor]:
+    """Two sequences of ``length`` token ids, each holding one image (its tokens placed after
+    the first quarter), with its pixel values and token types."""
+    ids = probe_ids(seed, (2, length)) % (GEMMA3_IMAGE_TOKEN - 3)  # no special ids by chance
+    start = length // 4
+    ids[:, start : start + GEMMA3_IMAGE_TOKENS] = GEMMA3_IMAGE_TOKEN
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(2, 3, GEMMA3_IMAGE_SIZE, GEMMA3_IMAGE_SIZE, generator=generator)
+    return {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "token_type_ids": (ids == GEMMA3_IMAGE_TOKEN).long(),
+    }

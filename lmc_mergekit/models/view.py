@@ -163,10 +163,14 @@ class Block:
 
 @dataclass
 class Embeddings:
-    """Token embedding ``(vocab, d)`` and learned positions ``(positions, d)`` if any."""
+    """Token embedding ``(vocab, d)``, learned positions ``(positions, d)`` if any, and a
+    multimodal model's projector ``(features, d)`` if any: row ``i`` is what channel ``i`` of
+    a (normalised, pooled) image feature writes into the residual stream at an image token (in
+    place of that token's embedding, and not multiplied by the embedding multiplier)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor | None = None
+    projector: torch.Tensor | None = None
 
 
 @dataclass

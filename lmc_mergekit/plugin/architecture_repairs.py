@@ -9,6 +9,11 @@
   residual rotation, so by every ``lmc_dm`` merge) would silently lose it in a merge, and a Phi
   model with tied embeddings (Phi-4-mini) fails. Both get the optional head, tied to the
   embeddings, that the Llama definition has.
+- Multimodal Gemma 3 (``gemma3vl.json``) names the vision tower as the Hub stores it
+  (``vision_tower.vision_model.*``); transformers 5 saves it as ``vision_tower.*``, so every
+  merge of such a checkpoint (and of every folder the plugin writes) fails. The tower's
+  tensors get their transformers 5 names with the Hub names as aliases, and the SigLIP
+  attention-pooling head (``vision_use_head``) as optional tensors.
 """
 
 from __future__ import annotations
@@ -39,6 +44,39 @@ def _gpt_neox(data: dict) -> None:
             weight["aliases"] = ["lm_head.weight"]
 
 
+# The SigLIP vision tower's attention-pooling head (present where ``vision_use_head`` is true).
+SIGLIP_HEAD = (
+    "head.probe",
+    "head.attention.in_proj_weight",
+    "head.attention.in_proj_bias",
+    "head.attention.out_proj.weight",
+    "head.attention.out_proj.bias",
+    "head.layernorm.weight",
+    "head.layernorm.bias",
+    "head.mlp.fc1.weight",
+    "head.mlp.fc1.bias",
+    "head.mlp.fc2.weight",
+    "head.mlp.fc2.bias",
+)
+
+
+def _gemma3_vision_tower(data: dict) -> None:
+    tower = data["modules"]["vision_tower"]
+    hub = tower["weight_prefix"].removeprefix("vision_tower.")  # "vision_model."
+    tower["weight_prefix"] = "vision_tower."
+    definition = tower["architecture"]
+    for weights in (
+        definition["pre_weights"],
+        definition["layer_templates"]["weights"],
+        definition["post_weights"],
+    ):
+        for weight in weights:
+            weight["aliases"] = [hub + weight["name"]]
+    # No aliases here: mergekit 0.1.5 fails on an optional weight with aliases (it adds a
+    # tuple to a list); the Hub's Gemma 3 towers have no head anyway.
+    definition["post_weights"] += [{"name": name, "optional": True} for name in SIGLIP_HEAD]
+
+
 def _optional_tied_head(data: dict) -> None:
     data["post_weights"] = [w for w in data["post_weights"] if w["name"] != "lm_head.weight"]
     data["post_weights"].append(dict(TIED_HEAD))
@@ -66,6 +104,7 @@ REPAIRS = (
     Repair("gpt-neox.json", "GPTNeoXForCausalLM", "gpt_neox", _gpt_neox),
     Repair("gemma.json", "GemmaForCausalLM", "gemma", _optional_tied_head),
     Repair("phi3.json", "Phi3ForCausalLM", "phi3", _optional_tied_head),
+    Repair("gemma3vl.json", "Gemma3ForConditionalGeneration", "gemma3", _gemma3_vision_tower),
 )
 
 

@@ -11,6 +11,7 @@ from lmc_mergekit.models.adapters.gpt_neox import GPTNeoXAdapter
 from lmc_mergekit.models.adapters.llama import LlamaAdapter
 from lmc_mergekit.models.adapters.modern import (
     Gemma2Adapter,
+    Gemma3Adapter,
     Gemma3TextAdapter,
     GemmaAdapter,
     Olmo2Adapter,
@@ -27,6 +28,7 @@ ADAPTERS: tuple[Adapter, ...] = (
     GemmaAdapter(),
     Gemma2Adapter(),
     Gemma3TextAdapter(),
+    Gemma3Adapter(),
     Phi3Adapter(),
     Olmo2Adapter(),
 )

@@ -7,6 +7,7 @@ import json
 import math
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
@@ -55,6 +56,31 @@ class Adapter(ABC):
     head_dim_from_hidden: ClassVar[bool] = True
     #: config.json keys of the model's sizes, and the :class:`ModelSpec` field each holds.
     size_keys: ClassVar[dict[str, str]] = {}
+    #: The config.json key under which a multimodal family nests its text model's config
+    #: (sizes, norm epsilon, rotary settings); None where they sit at the top level.
+    text_config_key: ClassVar[str | None] = None
+
+    def text_config(self, config: PretrainedConfig) -> PretrainedConfig:
+        """The config of the text model, the canonical view's (``config`` itself unless the
+        family nests it)."""
+        return config if self.text_config_key is None else getattr(config, self.text_config_key)
+
+    def module_key(self, key: str) -> str:
+        """The name that the stock ``transformers`` module of the text config gives checkpoint
+        key ``key`` (what the block runner loads block weights under)."""
+        return self.module_names.get(key, key)
+
+    def passthrough_keys(self, stored: Iterable[str]) -> dict[str, str]:
+        """The tensors outside the canonical view that every writer carries through unchanged
+        (a multimodal model's vision tower), chosen from a checkpoint's ``stored`` key names:
+        written name → stored name. Text-only families have none."""
+        return {}
+
+    def passthrough(self, reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
+        """(written name, tensor) of every tensor :meth:`passthrough_keys` names, one at a
+        time."""
+        for written, stored in self.passthrough_keys(reader.names).items():
+            yield written, reader.get(stored)
 
     @abstractmethod
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
@@ -93,11 +119,19 @@ class Adapter(ABC):
         return {self.eps_key: spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings, **sizes}
 
     def updated_config(self, raw: dict, spec: ModelSpec) -> dict:
-        """The config.json ``raw`` of a model of this family rewritten to describe ``spec``.
+        """The config.json ``raw`` of a model of this family rewritten to describe ``spec``
+        (in the nested text config where the family has one; the tying at both levels, since
+        the outer model is the one that ties).
 
         Rotary settings are rewritten (as transformers 5 ``rope_parameters``, the older keys
         dropped) only where ``spec`` changes the base or the rotary fraction.
         """
+        if self.text_config_key is None:
+            return self._updated_text_config(raw, spec)
+        text = self._updated_text_config(raw[self.text_config_key], spec)
+        return {**raw, self.text_config_key: text, "tie_word_embeddings": spec.tied_embeddings}
+
+    def _updated_text_config(self, raw: dict, spec: ModelSpec) -> dict:
         config = {**raw, **self.config_updates(spec)}
         if spec.layer_types and isinstance(raw.get("layer_types"), list):
             config["layer_types"] = list(spec.layer_types)
@@ -105,11 +139,15 @@ class Adapter(ABC):
             return config
         model_type = raw["model_type"]
         kwargs = {key: copy.deepcopy(value) for key, value in raw.items() if key != "model_type"}
-        params = dict(AutoConfig.for_model(model_type, **kwargs).rope_parameters or {})
+        parsed = AutoConfig.for_model(model_type, **kwargs)
+        # With parameters per attention type (Gemma 3) the spec holds the full-attention
+        # layers' (size conversion keeps them all: it refuses to change their rotary pairs).
+        current = rope_parameters(parsed)
         factor = rotary_factor(spec.rotary_dims, spec.head_dim)
-        old_factor = params.get("partial_rotary_factor", 1.0)
-        if params.get("rope_theta") == spec.rope_theta and old_factor == factor:
+        old_factor = current.get("partial_rotary_factor", 1.0)
+        if current.get("rope_theta") == spec.rope_theta and old_factor == factor:
             return config
+        params = dict(parsed.rope_parameters or {})
         for key in LEGACY_ROPE_KEYS:
             config.pop(key, None)
         params["rope_theta"] = spec.rope_theta
@@ -139,22 +177,30 @@ class Adapter(ABC):
     ) -> ModelSpec:
         """Write ``view`` as a stock checkpoint of this family into ``folder``, part by part.
 
-        ``source`` supplies config.json (updated from the view's spec) and the tokenizer and
-        generation-config files. Tied embeddings stay tied only where the written head still
-        equals the written embedding; otherwise the output is untied. Returns the written spec.
+        ``source`` supplies config.json (updated from the view's spec), the tokenizer and
+        generation-config files, and the tensors outside the canonical view (copied
+        unchanged). Tied embeddings stay tied only where the written head still equals the
+        written embedding; otherwise the output is untied. Returns the written spec.
         """
         spec = view.spec
         folder.mkdir(parents=True, exist_ok=True)
         writer = ShardWriter(folder, max_shard_size)
-        writer.write(self.embeddings_tensors(view.embeddings(), spec))
+        tokens = view.embeddings()
+        writer.write(self.embeddings_tensors(tokens, spec))
+        # Only the token rows are kept for the tie test below: computing them again would cost
+        # a second pass over the vocabulary.
+        tokens = tokens.tokens if spec.tied_embeddings else None
         for index in tqdm(
             range(spec.num_layers), desc=f"writing {folder.name}", disable=not progress
         ):
             writer.write(self.block_tensors(view.block(index), spec, index))
         head = view.head()
-        if spec.tied_embeddings and not torch.equal(head.weight, view.embeddings().tokens):
+        if spec.tied_embeddings and not torch.equal(head.weight, tokens):
             spec = replace(spec, tied_embeddings=False)
+        del tokens
         writer.write(self.head_tensors(head, spec))
+        for name, tensor in self.passthrough(CheckpointReader(source)):
+            writer.write({name: tensor})
         writer.close()
         with open(source / "config.json", encoding="utf-8") as fp:
             config = self.updated_config(json.load(fp), spec)
@@ -163,6 +209,13 @@ class Adapter(ABC):
             fp.write("\n")
         copy_tagalong_files(source, folder)
         return spec
+
+
+def first_present(reader: CheckpointReader, names: Iterable[str]) -> str:
+    """The first of ``names`` that ``reader``'s checkpoint stores (the first of all where it
+    stores none, so that reading it names the expected tensor in its error)."""
+    names = list(names)
+    return next((name for name in names if reader.has(name)), names[0])
 
 
 def read_norm(reader: CheckpointReader, name: str) -> Norm:
@@ -189,6 +242,11 @@ class CheckpointView:
 
     def head(self) -> Head:
         return self.adapter.read_head(self._reader, self.spec)
+
+    def passthrough(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(written name, tensor) of every tensor outside the canonical view, one at a time:
+        what every writer copies unchanged."""
+        return self.adapter.passthrough(self._reader)
 
 
 def load_config(folder: Path, trust_remote_code: bool = False) -> PretrainedConfig:

@@ -14,7 +14,13 @@ from typing import ClassVar
 import torch
 from transformers import PretrainedConfig
 
-from lmc_mergekit.models.adapters.base import Adapter, rope_theta, rope_type, rotary_dims
+from lmc_mergekit.models.adapters.base import (
+    Adapter,
+    first_present,
+    rope_theta,
+    rope_type,
+    rotary_dims,
+)
 from lmc_mergekit.models.checkpoint import CheckpointReader
 from lmc_mergekit.models.view import MLP, Attention, Block, Embeddings, Head, ModelSpec, Norm
 
@@ -50,6 +56,11 @@ class LlamaAdapter(Adapter):
     fused_gate_up: ClassVar[str | None] = None
     #: Added to every stored norm parameter to give its gain (Gemma: ``1 + w``).
     norm_offset: ClassVar[float] = 0.0
+    #: Where the text model's tensors sit: the prefix written, then any other prefix read (a
+    #: multimodal family nests the text model, and tools save it under different names).
+    text_prefixes: ClassVar[tuple[str, ...]] = ("model.",)
+    #: The LM head's key: the name written, then any other name read.
+    head_keys: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @property
     def block_modules(self) -> dict[str, str]:  # type: ignore[override]
@@ -64,10 +75,13 @@ class LlamaAdapter(Adapter):
         }
 
     def spec_from_config(self, config: PretrainedConfig) -> ModelSpec:
+        # The outer model ties (or not) its head to the text model's embeddings.
+        tied = bool(config.tie_word_embeddings)
+        architecture, config = config.model_type, self.text_config(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return ModelSpec(
-            architecture=config.model_type,
+            architecture=architecture,
             hidden_size=config.hidden_size,
             num_layers=config.num_hidden_layers,
             num_heads=heads,
@@ -81,7 +95,7 @@ class LlamaAdapter(Adapter):
             parallel_residual=False,
             gated_mlp=True,
             activation=getattr(config, "hidden_activation", None) or config.hidden_act,
-            tied_embeddings=bool(config.tie_word_embeddings),
+            tied_embeddings=tied,
             rope_theta=rope_theta(config),
             norm_offset=self.norm_offset,
             pre_norms="attn_norm" in self.block_norms,
@@ -95,16 +109,29 @@ class LlamaAdapter(Adapter):
             rope_type=rope_type(config),
         )
 
+    def module_key(self, key: str) -> str:
+        """Checkpoint keys under the written text prefix (and the head) as the stock module of
+        the text config names them."""
+        prefix = self.text_prefixes[0]
+        if key.startswith(prefix):
+            return "model." + key[len(prefix) :]
+        return "lm_head.weight" if key == self.head_keys[0] else super().module_key(key)
+
     # ---- reading ------------------------------------------------------------------------
 
+    def _prefix(self, reader: CheckpointReader) -> str:
+        """The prefix ``reader``'s checkpoint stores the text model under."""
+        stored = (p for p in self.text_prefixes if reader.has(p + "embed_tokens.weight"))
+        return next(stored, self.text_prefixes[0])
+
     def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:
-        return Embeddings(tokens=reader.get("model.embed_tokens.weight"))
+        return Embeddings(tokens=reader.get(self._prefix(reader) + "embed_tokens.weight"))
 
     def _norm(self, reader: CheckpointReader, name: str) -> Norm:
         return Norm(reader.get(name + ".weight"), offset=self.norm_offset)
 
     def read_block(self, reader: CheckpointReader, spec: ModelSpec, index: int) -> Block:
-        p = f"model.layers.{index}."
+        p = f"{self._prefix(reader)}layers.{index}."
 
         def linear(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
             return reader.get(p + name + ".weight"), reader.get(p + name + ".bias", optional=True)
@@ -142,18 +169,19 @@ class LlamaAdapter(Adapter):
         )
 
     def read_head(self, reader: CheckpointReader, spec: ModelSpec) -> Head:
-        name = "lm_head.weight"
+        prefix = self._prefix(reader)
+        name = first_present(reader, self.head_keys)
         if spec.tied_embeddings or not reader.has(name):
-            name = "model.embed_tokens.weight"
-        return Head(norm=self._norm(reader, "model.norm"), weight=reader.get(name))
+            name = prefix + "embed_tokens.weight"
+        return Head(norm=self._norm(reader, prefix + "norm"), weight=reader.get(name))
 
     # ---- writing ------------------------------------------------------------------------
 
     def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
-        return {"model.embed_tokens.weight": emb.tokens}
+        return {self.text_prefixes[0] + "embed_tokens.weight": emb.tokens}
 
     def block_tensors(self, block: Block, spec: ModelSpec, index: int) -> dict[str, torch.Tensor]:
-        p = f"model.layers.{index}."
+        p = f"{self.text_prefixes[0]}layers.{index}."
         a, m = block.attn, block.mlp
         named = {}
         if self.fused_qkv is None:
@@ -197,9 +225,9 @@ class LlamaAdapter(Adapter):
         return {p + k: t for k, t in named.items() if t is not None}
 
     def head_tensors(self, head: Head, spec: ModelSpec) -> dict[str, torch.Tensor]:
-        tensors = {"model.norm.weight": head.norm.weight}
+        tensors = {self.text_prefixes[0] + "norm.weight": head.norm.weight}
         if not spec.tied_embeddings:
-            tensors["lm_head.weight"] = head.weight
+            tensors[self.head_keys[0]] = head.weight
         return tensors
 
 

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
 
+from lmc_mergekit.models.adapters.base import first_present
 from lmc_mergekit.models.adapters.llama import LlamaAdapter
+from lmc_mergekit.models.checkpoint import CheckpointReader
+from lmc_mergekit.models.view import Embeddings, ModelSpec
 
 
 class Qwen3Adapter(LlamaAdapter):
@@ -51,6 +56,58 @@ class Gemma3TextAdapter(Gemma2Adapter):
 
     model_types = ("gemma3_text",)
     qk_norm: ClassVar[str] = "head"
+
+
+class Gemma3Adapter(Gemma3TextAdapter):
+    """Gemma 3 with vision (``Gemma3ForConditionalGeneration``, every Gemma 3 from 4B up): the
+    Gemma 3 text model under ``language_model``, its config under ``text_config``. The
+    projector's matrix (vision width × d) writes pooled image features into the residual
+    stream in place of the image tokens' embeddings, so it joins the canonical embeddings
+    (:attr:`Embeddings.projector`); the vision tower and the projector's norm act on vision
+    features only and are carried through unchanged.
+
+    Checkpoints are read as the Hub stores them (``vision_tower.vision_model.*``), as
+    transformers 5 saves them and under transformers' module names (``model.language_model.*``,
+    ``model.vision_tower.*``); they are written as transformers 5 saves them.
+    """
+
+    model_types = ("gemma3",)
+    text_config_key: ClassVar[str | None] = "text_config"
+    text_prefixes: ClassVar[tuple[str, ...]] = ("language_model.model.", "model.language_model.")
+    head_keys: ClassVar[tuple[str, ...]] = ("language_model.lm_head.weight", "lm_head.weight")
+    #: The projector's matrix: the name written, then any other name read.
+    projector_keys: ClassVar[tuple[str, ...]] = (
+        "multi_modal_projector.mm_input_projection_weight",
+        "model.multi_modal_projector.mm_input_projection_weight",
+    )
+    #: Renames, applied in order, that give carried tensors of any stored layout their
+    #: transformers 5 names.
+    passthrough_renames: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("model.vision_tower.", "vision_tower."),
+        ("vision_tower.vision_model.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+    )
+
+    def read_embeddings(self, reader: CheckpointReader, spec: ModelSpec) -> Embeddings:
+        projector = reader.get(first_present(reader, self.projector_keys))
+        return replace(super().read_embeddings(reader, spec), projector=projector)
+
+    def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        return {**super().embeddings_tensors(emb, spec), self.projector_keys[0]: emb.projector}
+
+    def passthrough_keys(self, stored: Iterable[str]) -> dict[str, str]:
+        """Every stored tensor outside the text model and the projector's matrix."""
+        viewed = (*self.head_keys, *self.projector_keys)
+        keys = {}
+        for name in sorted(stored):
+            if name.startswith(self.text_prefixes) or name in viewed:
+                continue
+            written = name
+            for old, new in self.passthrough_renames:
+                if written.startswith(old):
+                    written = new + written[len(old) :]
+            keys[written] = name
+        return keys
 
 
 class Phi3Adapter(LlamaAdapter):
