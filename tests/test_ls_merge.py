@@ -14,8 +14,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from safetensors.torch import load_file
-from tiny_models import VARIANTS, build_model
+from tiny_models import VARIANTS, build_model, stored_tensors
 from tokenizer_helpers import make_tokenizer, model_with_tokenizer, save_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -31,10 +30,6 @@ from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 # Small enough for seconds per recipe; the benchmarks train real autoencoders.
 FAST = {"steps": 30, "width": 32, "seq_len": 32, "eval_sequences": 8, "noise_floor": False}
-
-
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def run_yaml(recipe: dict, tmp_path: Path, out: Path):
@@ -84,7 +79,7 @@ def test_layout_rebuilds_every_checkpoint_tensor_from_canonical_pieces(variant, 
     folder = build_model(variant, tmp_path / variant)
     view = open_model(folder)
     layout = checkpoint_layout(view.adapter, view)
-    stored = tensors(folder)
+    stored = stored_tensors(folder)
     canonical = {(t.kind, t.layer): t.tensor for t in model_tensors(view)}
     assert set(layout) == set(stored)
     used = []
@@ -106,9 +101,9 @@ def test_merge_happens_in_mergekit_with_per_tensor_weights(pair, tmp_path):
     recipe["models"][1]["parameters"]["weight"] = [{"filter": "mlp", "value": 0.0}, {"value": 1.0}]
     out = tmp_path / "merged"
     report = merged_ok(run_yaml(recipe, tmp_path, out), out)
-    merged, original_a = tensors(out), tensors(a)
+    merged, original_a = stored_tensors(out), stored_tensors(a)
     prepared = prepared_folders(report)
-    decoded_a = tensors(prepared[0])
+    decoded_a = stored_tensors(prepared[0])
     # With the residuals kept (the default), all weight on a gives a's own weights back.
     mlp = "model.layers.1.mlp.down_proj.weight"
     torch.testing.assert_close(merged[mlp], original_a[mlp], rtol=0, atol=1e-6)
@@ -123,12 +118,12 @@ def test_merge_happens_in_mergekit_with_per_tensor_weights(pair, tmp_path):
     )
     residual = (stores[0].residual(q) + stores[1].residual(q)) / 2
     torch.testing.assert_close(merged[q], (decoded + residual).float(), rtol=0, atol=1e-5)
-    assert not torch.allclose(merged[q], (original_a[q] + tensors(b)[q]) / 2, atol=1e-4)
+    assert not torch.allclose(merged[q], (original_a[q] + stored_tensors(b)[q]) / 2, atol=1e-4)
     # Without them: the paper's plain decode (same prepared inputs, only the merge differs).
     plain = tmp_path / "plain"
     recipe["latent"]["keep_residuals"] = False
     merged_ok(run_yaml(recipe, tmp_path, plain), plain)
-    plain_tensors = tensors(plain)
+    plain_tensors = stored_tensors(plain)
     torch.testing.assert_close(plain_tensors[mlp], decoded_a[mlp], rtol=0, atol=1e-6)
     torch.testing.assert_close(plain_tensors[q], decoded.float(), rtol=0, atol=1e-5)
     # The report: reconstruction per tensor, λ = 0 losses, merged, weight average, noise floor.
@@ -156,7 +151,7 @@ def test_bfloat16_checkpoints_merge_and_stay_bfloat16(tmp_path):
     recipe["dtype"] = "bfloat16"
     out = tmp_path / "merged"
     merged_ok(run_yaml(recipe, tmp_path, out), out)
-    assert {t.dtype for t in tensors(out).values()} == {torch.bfloat16}
+    assert {t.dtype for t in stored_tensors(out).values()} == {torch.bfloat16}
 
 
 def test_second_recipe_over_the_same_models_reuses_the_autoencoder(pair, tmp_path):
@@ -190,14 +185,14 @@ def test_self_merge_averages_posterior_samples(tmp_path):
     def merge(name: str, **latent) -> dict[str, torch.Tensor]:
         out = tmp_path / name
         merged_ok(run_yaml(recipe_for(model, evaluate=False, **latent), tmp_path, out), out)
-        return tensors(out)
+        return stored_tensors(out)
 
     one, sixteen = merge("one", samples=1), merge("sixteen", samples=16)
     again = merge("again", samples=16)
     other_seed = merge("other", samples=16, sample_seed=1)
     report = json.loads((tmp_path / "one" / "ls_report.json").read_text())
     assert report["kind"] == "self-merge"
-    mean = tensors(model)  # the residual kept: the posterior mean gives the weights back
+    mean = stored_tensors(model)  # the residual kept: the posterior mean gives the weights back
     key = "model.layers.0.mlp.up_proj.weight"
     assert all(torch.equal(sixteen[k], again[k]) for k in sixteen)
     assert not torch.equal(sixteen[key], other_seed[key])
@@ -226,17 +221,17 @@ def test_heterogeneous_merge_decodes_with_the_target_shapes(tmp_path):
     assert report["kind"] == "heterogeneous"
     assert [e["role"] for e in report["inputs"]] == ["target", "source"]
     assert report["transport"]["layer_map"] == {"-1": -1, "0": 0, "1": 2}
-    merged, original = tensors(out), tensors(target)
+    merged, original = stored_tensors(out), stored_tensors(target)
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in original.items()}
     # λ = 0 gives the target back (residual kept), or its plain encode–decode (not kept).
-    decoded_target = tensors(prepared_folders(report)[0])
+    decoded_target = stored_tensors(prepared_folders(report)[0])
     for keep, expected in ((True, original), (False, decoded_target)):
         zero = tmp_path / f"zero-{keep}"
         recipe = recipe_for(
             target, source, weights=[1.0, 0.0], base=target, evaluate=False, keep_residuals=keep
         )
         merged_ok(run_yaml(recipe, tmp_path, zero), zero)
-        for key, value in tensors(zero).items():
+        for key, value in stored_tensors(zero).items():
             torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6)
     q = "model.layers.1.self_attn.q_proj.weight"
     assert not torch.allclose(merged[q], original[q], atol=1e-4)
@@ -377,7 +372,7 @@ def test_across_tokenizers_and_families_the_target_keeps_its_own_tensors(tmp_pat
     assert {"embeddings.tokens@-1", "head.norm.weight@-1"} <= kept  # other tokenizer
     assert {"attn_post_norm.weight@0", "mlp_post_norm.weight@1"} <= kept  # only Gemma 2 has
     assert "attn.q@0" not in kept
-    merged, original = tensors(out), tensors(target)
+    merged, original = stored_tensors(out), stored_tensors(target)
     assert merged.keys() == original.keys()
     for key in ("model.embed_tokens.weight", "model.layers.0.post_attention_layernorm.weight"):
         torch.testing.assert_close(merged[key], original[key], rtol=0, atol=1e-6)

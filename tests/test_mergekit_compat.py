@@ -15,7 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from mergekit.scripts.run_yaml import main as mergekit_yaml
-from safetensors.torch import load_file
+from tiny_models import stored_tensors
 from tokenizer_helpers import model_with_tokenizer
 
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
@@ -103,10 +103,6 @@ def workdir(tmp_path_factory) -> Path:
     return root
 
 
-def tensors(folder: Path) -> dict:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 def write(folder: Path, name: str, recipe: dict) -> Path:
     path = folder / f"{name}.yml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -126,7 +122,7 @@ def test_builtin_recipes_are_bit_identical_to_mergekit_yaml(workdir, name, monke
     ours = CliRunner().invoke(mergekit_yaml_main, [recipe.name, f"ours-{name}", "--quiet"])
     assert ours.exit_code == 0, ours.output
     a, b = workdir / f"theirs-{name}", workdir / f"ours-{name}"
-    mine, reference = tensors(b), tensors(a)
+    mine, reference = stored_tensors(b), stored_tensors(a)
     assert mine.keys() == reference.keys() and mine
     for key, tensor in reference.items():
         assert mine[key].dtype == tensor.dtype and mine[key].equal(tensor), key
@@ -242,7 +238,7 @@ def test_plugin_recipes_take_relative_paths_wherever_a_model_is_named(workdir, m
     path = write(workdir, "linear-relative", linear)
     result = CliRunner().invoke(mergekit_yaml_main, [path.name, "linear-relative", "--quiet"])
     assert result.exit_code == 0, result.output
-    dm, lin = tensors(workdir / "dm-relative"), tensors(workdir / "linear-relative")
+    dm, lin = stored_tensors(workdir / "dm-relative"), stored_tensors(workdir / "linear-relative")
     assert dm.keys() == lin.keys() and all(dm[k].equal(lin[k]) for k in dm)
     card = (workdir / "dm-relative" / "README.md").read_text()
     assert "* a\n* ./b\n" in card and "| `./b` | `lmc_dm/" in card

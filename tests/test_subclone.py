@@ -17,8 +17,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from safetensors.torch import load_file
-from tiny_models import VARIANTS, VOCAB, build_model, logits, probe_ids
+from tiny_models import VARIANTS, VOCAB, build_model, logits, probe_ids, stored_tensors
 from tokenizer_helpers import model_with_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -36,10 +35,6 @@ from lmc_mergekit.subclone.target import kept_layers, plan_rotary, resolve_targe
 
 EXACT = ConversionConfig(compensate=False, rescale="none")
 CPU = torch.device("cpu")
-
-
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def run_yaml(recipe: dict, tmp_path: Path, out: Path):
@@ -478,8 +473,8 @@ def test_several_donors_are_converted_then_averaged(trained_pair, tmp_path):
     assert result.exit_code == 0, result.output
     cache = Path(tmp_path / "lmc-cache" / "subclone_compensate")
     (entry,) = [p.parent for p in cache.glob("*/preparation.json")]
-    a, b = (tensors(entry / f"model-{i}") for i in (0, 1))
-    merged = tensors(out)
+    a, b = (stored_tensors(entry / f"model-{i}") for i in (0, 1))
+    merged = stored_tensors(out)
     assert merged.keys() == a.keys()
     for name, tensor in merged.items():
         assert torch.allclose(tensor, 0.75 * a[name] + 0.25 * b[name], atol=1e-6), name

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.models.checkpoint import CheckpointReader
 from lmc_mergekit.runtime.records import Record
 
 DEFAULT_POINTS = 11
@@ -72,37 +73,117 @@ def interpolation_losses(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> PathLoss:
-    """``L(λ)`` on the grid, evaluated by loading interpolated weights into one model object."""
+    """``L(λ)`` on the grid, evaluated on one float32 model object whose weights are set in
+    place, for each λ, to ``lerp(A, B, λ)`` read from the two checkpoints a slice of rows at a
+    time: the memory is one model in float32 and a slice of each endpoint."""
     grid = lambda_grid(points)
     model = load_fp32(Path(model_a)).to(device)
-    start = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    end = _matching_state(start, load_fp32(Path(model_b)).state_dict(), model_a, model_b)
+    ends = _Endpoints(model, Path(model_a), Path(model_b))
     losses = []
     for lam in tqdm(grid, desc="loss along the path", disable=not progress, leave=False):
-        state = {
-            name: torch.lerp(a, end[name].to(a.device), lam) if a.is_floating_point() else a
-            for name, a in start.items()
-        }
-        model.load_state_dict(state)
+        ends.interpolate(lam)
         result = mean_token_loss(model, sequences, batch_size=batch_size)
         losses.append(result.loss)
     return PathLoss(lambdas=grid, losses=tuple(losses), tokens=result.tokens)
 
 
-def _matching_state(start: dict, end: dict, model_a, model_b) -> dict:
-    if start.keys() != end.keys():
-        only = sorted(start.keys() ^ end.keys())[:3]
+#: Elements of one endpoint slice read at a time (rows of a large tensor).
+SLICE_ELEMENTS = 2**24
+
+
+class _Endpoints:
+    """The two endpoints' checkpoints and, for every floating weight of ``model`` (A, loaded
+    through ``transformers``), the checkpoint tensor ``transformers`` loaded it from (by its
+    own renaming of checkpoint keys; checked: the weight must hold that tensor of A). A weight
+    tied to another is set through that one."""
+
+    def __init__(self, model, model_a: Path, model_b: Path):
+        self.a, self.b = CheckpointReader(model_a), CheckpointReader(model_b)
+        _check_same_tensors(self.a, self.b, model_a, model_b)
+        state = model.state_dict()
+        loaded_from = _loaded_from(model, self.a.names, state)
+        # A buffer the checkpoint does not store is made from the config: A's is B's.
+        made = {name for name, _ in model.named_buffers()} - loaded_from.keys()
+        self.targets: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, target in state.items():
+            if not target.is_floating_point() or target.data_ptr() in seen or name in made:
+                continue
+            seen.add(target.data_ptr())
+            key = loaded_from.get(name)
+            if key is None or not self._holds(target, key):
+                raise LmcError(
+                    f"{model_a}: transformers loads {name!r} from no tensor of the checkpoint "
+                    "as it is; the path cannot be evaluated from the checkpoints"
+                )
+            self.targets[key] = target
+
+    def _holds(self, target: torch.Tensor, key: str) -> bool:
+        """Whether ``target`` holds checkpoint A's ``key`` (as loaded: in float32)."""
+        if self.a.shape(key) != tuple(target.shape):
+            return False
+        return all(
+            torch.equal(_read(self.a, key, rows).to(target), _rows(target, rows))
+            for rows in _slices(target)
+        )
+
+    @torch.no_grad()
+    def interpolate(self, lam: float) -> None:
+        """Every weight set to ``lerp(A, B, λ)`` (float32, on the model's device)."""
+        for key, target in self.targets.items():
+            for rows in _slices(target):
+                a, b = (_read(reader, key, rows).to(target) for reader in (self.a, self.b))
+                _rows(target, rows).copy_(torch.lerp(a, b, lam))
+
+
+def _loaded_from(model, keys: frozenset[str], state: dict) -> dict[str, str]:
+    """State-dict name → the checkpoint key ``transformers`` loads it from, by its renaming of
+    checkpoint keys (GPT-NeoX's ``embed_out``, multimodal Gemma 3's ``language_model.model``);
+    keys it converts by computation are left out."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [m for m in get_model_conversion_mapping(model) if isinstance(m, WeightRenaming)]
+    prefix = model.base_model_prefix
+    names = {}
+    for key in sorted(keys):
+        name, _ = rename_source_key(key, renamings, [], prefix, state)
+        if name not in state and key in state:
+            name, _ = rename_source_key(key, [], [], prefix, state)
+        names.setdefault(name, key)
+    return names
+
+
+def _slices(tensor: torch.Tensor) -> list[tuple[int, int] | None]:
+    """Row ranges of ``tensor`` of about :data:`SLICE_ELEMENTS` elements each, or ``[None]``
+    (the whole tensor) when it is no larger."""
+    if tensor.numel() <= SLICE_ELEMENTS:
+        return [None]
+    step = max(1, SLICE_ELEMENTS // tensor[0].numel())
+    return [(start, min(start + step, len(tensor))) for start in range(0, len(tensor), step)]
+
+
+def _read(reader: CheckpointReader, key: str, rows: tuple[int, int] | None) -> torch.Tensor:
+    return reader.get(key) if rows is None else reader.rows(key, *rows)
+
+
+def _rows(tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    return tensor if rows is None else tensor[rows[0] : rows[1]]
+
+
+def _check_same_tensors(a: CheckpointReader, b: CheckpointReader, model_a, model_b) -> None:
+    if a.names != b.names:
+        only = sorted(a.names ^ b.names)[:3]
         raise LmcError(
             f"{model_a} and {model_b} have different parameters ({', '.join(only)}); the path "
             "needs two models of one architecture and shape (tied vs untied embeddings count)"
         )
-    for name, tensor in start.items():
-        if tensor.shape != end[name].shape:
+    for name in sorted(a.names):
+        if a.shape(name) != b.shape(name):
             raise LmcError(
-                f"{name} is {tuple(tensor.shape)} in {model_a} but {tuple(end[name].shape)} in "
-                f"{model_b}; the path needs two models of one shape"
+                f"{name} is {a.shape(name)} in {model_a} but {b.shape(name)} in {model_b}; "
+                "the path needs two models of one shape"
             )
-    return end
 
 
 def write_path_json(path: Path, curves: dict[str, PathLoss], extra: dict | None = None) -> None:

@@ -15,6 +15,10 @@ from lmc_mergekit.errors import LmcError
 # Test-split sequences evaluated by default (65k tokens of 128): enough for a stable mean loss
 # on small models, and the same everywhere (eval, barrier, lmc_dm reports, zoo records).
 DEFAULT_EVAL_SEQUENCES = 512
+#: Most bytes of float32 logits one forward produces. At today's vocabularies (128k–256k) a
+#: batch of 16×128 tokens has 1–2 GB of logits, and the cross-entropy copies them twice: such
+#: a batch runs a few whole sequences at a time. Smaller vocabularies keep the whole batch.
+LOGITS_BYTES = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,10 @@ def mean_token_loss(
 
     ``sequences`` is ``(n, L)`` token ids; each sequence predicts its last ``L - 1`` tokens. The
     loss is computed here from float32 logits (summed, then divided once by the token count), so
-    it does not depend on ``batch_size`` or on how a model averages its own ``labels`` loss. The
-    model is put in eval mode and run on its own device.
+    it does not depend on ``batch_size`` (beyond float32 rounding of each batch's sum) or on how
+    a model averages its own ``labels`` loss. A batch runs whole only while its logits fit in
+    :data:`LOGITS_BYTES`, else in pieces of as many whole sequences as fit. The model is put in
+    eval mode and run on its own device.
     """
     if sequences.ndim != 2 or sequences.shape[0] == 0 or sequences.shape[1] < 2:
         raise LmcError(
@@ -80,9 +86,10 @@ def mean_token_loss(
         )
     model.eval()
     device = next(model.parameters()).device
+    rows = _rows_per_forward(model, batch_size, sequences.shape[1])
     total = 0.0
     with tqdm(total=len(sequences), unit="seq", desc="loss", disable=not progress) as bar:
-        for batch in sequences.split(batch_size):
+        for batch in sequences.split(rows):
             batch = batch.to(device=device, dtype=torch.long)
             logits = model(input_ids=batch, use_cache=False).logits.float()
             total += float(
@@ -95,3 +102,13 @@ def mean_token_loss(
             bar.update(len(batch))
     tokens = sequences.shape[0] * (sequences.shape[1] - 1)
     return LossResult(loss=total / tokens, tokens=tokens)
+
+
+def _rows_per_forward(model, batch_size: int, length: int) -> int:
+    """``batch_size``, or fewer sequences where their float32 logits would pass
+    :data:`LOGITS_BYTES` (at least one)."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        return batch_size
+    logits = length * head.weight.shape[0] * 4
+    return max(1, min(batch_size, LOGITS_BYTES // logits))

@@ -40,22 +40,37 @@ class Normalisation:
         return math.prod(self.shape)
 
 
+#: Elements scaled at a time: the statistics need the whole tensor in float64, the scaling
+#: (elementwise) does not, so no second float64 copy of a large tensor is made.
+SLICE = 2**22
+
+
 def to_chunks(tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, Normalisation]:
     """``tensor`` normalised and cut into float32 ``(ceil(numel / size), size)`` chunks."""
-    flat = tensor.detach().reshape(-1).double()
+    source = tensor.detach().reshape(-1)
+    flat = source.double()
     mean = float(flat.mean())
     std = float(flat.std()) if flat.numel() > 1 else 0.0
     std = std if std > 0 else 1.0  # constant tensors (fresh norm gains) stay representable
-    scaled = ((flat - mean) / std).float()
-    count = max(1, math.ceil(flat.numel() / size))
+    del flat
+    count = max(1, math.ceil(source.numel() / size))
     padded = torch.zeros(count * size)
-    padded[: flat.numel()] = scaled
+    for start in range(0, source.numel(), SLICE):
+        piece = source[start : start + SLICE].double()
+        padded[start : start + len(piece)] = ((piece - mean) / std).float()
     return padded.reshape(count, size), Normalisation(tuple(tensor.shape), mean, std)
 
 
-def from_chunks(chunks: torch.Tensor, norm: Normalisation) -> torch.Tensor:
-    """The tensor that :func:`to_chunks` cut into ``chunks`` (padding dropped, scale restored)."""
-    flat = chunks.reshape(-1)[: norm.numel].double() * norm.std + norm.mean
+def from_chunks(
+    chunks: torch.Tensor, norm: Normalisation, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """The tensor that :func:`to_chunks` cut into ``chunks`` (padding dropped, scale restored),
+    computed in float64 a slice at a time and rounded once to ``dtype``."""
+    values = chunks.reshape(-1)
+    flat = torch.empty(norm.numel, dtype=dtype)
+    for start in range(0, norm.numel, SLICE):
+        stop = min(start + SLICE, norm.numel)
+        flat[start:stop] = (values[start:stop].double() * norm.std + norm.mean).to(dtype)
     return flat.reshape(norm.shape)
 
 

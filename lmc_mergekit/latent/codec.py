@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, Windows
-from lmc_mergekit.latent.chunks import NamedTensor, Normalisation, from_chunks, to_chunks
+from lmc_mergekit.latent.chunks import SLICE, NamedTensor, Normalisation, from_chunks, to_chunks
 
 #: Windows the autoencoder runs at once when encoding or decoding one tensor.
 WINDOW_BATCH = 2048
@@ -59,13 +59,16 @@ def decode_latents(
     device = model.chunk_in.weight.device
     windows = Windows.of(latents.float().to(device), model.config.window)
     kinds, layers = model.tags(kind, layer, windows.chunks.shape[0])
-    chunks = torch.cat(
-        [
-            model.decode(kinds[part], layers[part], windows.chunks[part], windows[part])
-            for part in _batches(windows)
-        ]
+    chunks = windows.flatten(
+        torch.cat(
+            [
+                model.decode(kinds[part], layers[part], windows.chunks[part], windows[part])
+                for part in _batches(windows)
+            ]
+        )
     )
-    return from_chunks(windows.flatten(chunks).cpu(), norm)
+    del windows  # the padded latents: a large tensor's are not needed past this point
+    return from_chunks(chunks.cpu(), norm)
 
 
 def _batches(windows: Windows) -> list[slice]:
@@ -76,7 +79,12 @@ def _batches(windows: Windows) -> list[slice]:
 
 
 def relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:
-    """``‖decoded − original‖ / ‖original‖`` (0 for an all-zero original decoded as zero)."""
-    original = original.double()
-    scale = float(original.norm())
-    return float((decoded.double() - original).norm()) / max(scale, 1e-30)
+    """``‖decoded − original‖ / ‖original‖`` (0 for an all-zero original decoded as zero),
+    summed in float64 a slice at a time (no float64 copy of a whole embedding)."""
+    a, b = original.reshape(-1), decoded.reshape(-1)
+    sums = torch.zeros(2, dtype=torch.float64)
+    for start in range(0, a.numel(), SLICE):
+        x, y = (t[start : start + SLICE].double() for t in (a, b))
+        sums += torch.stack([x.square().sum(), (y - x).square().sum()])
+    scale, gap = sums.sqrt().tolist()
+    return gap / max(scale, 1e-30)

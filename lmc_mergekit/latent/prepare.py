@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from lmc_mergekit.data.sequences import shares_tokenizer
+from lmc_mergekit.data.tokenizer import shares_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder
-from lmc_mergekit.latent.chunks import NamedTensor
+from lmc_mergekit.latent.chunks import SLICE, NamedTensor
 from lmc_mergekit.latent.codec import EncodedTensor, decode_tensor, encode_tensor, relative_error
 from lmc_mergekit.latent.heterogeneous import check_mapping, layer_map, own_pieces, transport_source
 from lmc_mergekit.latent.store import LatentStore, LatentWriter
@@ -204,7 +204,8 @@ def _write(
     progress: bool,
 ) -> tuple[Codes, dict[str, float]]:
     """The prepared folder, written part by part of ``like`` (its layout, config.json,
-    tokenizer and dtypes): the decode as a stock checkpoint, the latents of every tensor and,
+    tokenizer, dtypes and the tensors outside its canonical view, copied): the decode as a
+    stock checkpoint, the latents of every tensor and,
     with ``residuals``, each tensor's reconstruction residual (original − decoded). The pieces
     are encoded from ``like``'s own weights unless ``encoded`` gives their latents. Read back
     before it returns. Returns each piece's reconstruction error (its own weights only) and,
@@ -218,25 +219,17 @@ def _write(
     verb = "encoding" if own else "writing onto"
     bar = tqdm(total=_parts(like), desc=f"{verb} {like.view.folder.name}", disable=not progress)
     for part in part_layouts(like.view.adapter, like.view):
-        if own:
-            codes, decoded, errors = _encode_part(autoencoder, part)
-            reconstruction.update(errors)
-        else:
-            codes = encoded
-            used = {piece for layout in part.keys.values() for piece in layout.pieces}
-            decoded = {p: decode_tensor(autoencoder, codes[(p.kind, p.layer)]) for p in used}
-        for key, layout in part.keys.items():
-            tensor = layout.assemble([decoded[piece] for piece in layout.pieces])
-            writer.write({key: tensor.to(part.tensors[layout.pieces[0]].dtype)})
-            residual = None
-            if residuals:
-                original = layout.assemble([part.tensors[p].double() for p in layout.pieces])
-                residual = (original - tensor).float()
-            latents.write(key, [codes[(p.kind, p.layer)] for p in layout.pieces], residual)
+        codes, errors = _write_part(part, autoencoder, encoded, residuals, writer, latents)
+        reconstruction.update(errors)
         if keep_codes and own:
             kept.update(codes)
+        del part, codes  # not held while the next part is read and encoded
         bar.update()
     bar.close()
+    # Tensors outside the canonical view (a vision tower) have no latents: the merge method
+    # averages them as they are (onto a target: the target's).
+    for name, tensor in like.view.passthrough():
+        writer.write({name: tensor})
     writer.close()
     latents.close()
     shutil.copy2(like.view.folder / "config.json", out / "config.json")
@@ -245,24 +238,56 @@ def _write(
     return kept, reconstruction
 
 
+def _write_part(
+    part: PartLayout,
+    autoencoder: WeightAutoencoder,
+    encoded: Codes | None,
+    residuals: bool,
+    writer: ShardWriter,
+    latents: LatentWriter,
+) -> tuple[Codes, dict[str, float]]:
+    """Every key of ``part``: its decode, latents and (with ``residuals``) residual written;
+    the part encoded from its own weights unless ``encoded`` gives the latents. Returns the
+    part's latents and reconstruction errors (the float64 decode goes with the call)."""
+    errors = {}
+    if encoded is None:
+        codes, decoded, errors = _encode_part(autoencoder, part)
+    else:
+        codes = encoded
+        used = {piece for layout in part.keys.values() for piece in layout.pieces}
+        decoded = {p: decode_tensor(autoencoder, codes[(p.kind, p.layer)]) for p in used}
+    for key, layout in part.keys.items():
+        tensor = layout.assemble([decoded[piece] for piece in layout.pieces])
+        writer.write({key: tensor.to(part.tensors[layout.pieces[0]].dtype)})
+        residual = None
+        if residuals:
+            original = layout.assemble([part.tensors[p] for p in layout.pieces])
+            residual = _residual(original, tensor)
+        latents.write(key, [codes[(p.kind, p.layer)] for p in layout.pieces], residual)
+    return codes, errors
+
+
 def check_prepared(
     out: Path, autoencoder: WeightAutoencoder, like: LatentInput, residuals: bool
 ) -> None:
     """Read the prepared folder back, part by part of ``like``: every tensor decoded from the
     stored latents (as the merge method will) must be the stored decode, and decode + residual
-    ``like``'s original."""
+    ``like``'s original. The stored decode and residual are read a slice of rows at a time."""
     store = LatentStore(out)
     written = CheckpointReader(out)
     for part in part_layouts(like.view.adapter, like.view):
         for key, key_layout in part.keys.items():
-            latents, stats = store.get(key)
-            decoded = decode_key(autoencoder, key_layout, latents[0], stats)
-            stored = written.get(key)  # in the input's dtype: compare at that precision
-            error = _distance(stored.double(), decoded.to(stored.dtype).double())
+            decoded = decode_key(autoencoder, key_layout, *store.means(key))
+            # The stored decode is in the input's dtype: compare at that precision.
+            error = _distance(
+                (stored, decoded[rows].to(stored.dtype))
+                for rows, stored in _row_slices(decoded, written.rows, key)
+            )
             if residuals:
-                pieces = [part.tensors[p].double() for p in key_layout.pieces]
-                rebuilt = decoded + store.residual(key).double()
-                error = max(error, _distance(key_layout.assemble(pieces), rebuilt))
+                original = key_layout.assemble([part.tensors[p] for p in key_layout.pieces])
+                rebuilt = _row_slices(decoded, store.residual_rows, key)
+                gap = _distance((original[rows], decoded[rows] + r.double()) for rows, r in rebuilt)
+                error = max(error, gap)
             if not error <= READ_BACK_TOLERANCE:
                 raise LmcError(
                     f"self-check failed: {key!r} decoded from the written latents is "
@@ -270,7 +295,39 @@ def check_prepared(
                 )
 
 
-def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``‖a − b‖`` relative to the larger of the two (zero tensors stay comparable)."""
-    scale = max(float(a.norm()), float(b.norm()), 1e-30)
-    return float((a - b).norm()) / scale
+def _row_slices(tensor: torch.Tensor, read, key: str):
+    """``(rows, read(key, start, stop))`` for slices ``rows`` of ``tensor``'s rows of about
+    :data:`SLICE` elements."""
+    step = max(1, SLICE // max(1, tensor[0].numel()))
+    for start in range(0, len(tensor), step):
+        yield slice(start, start + step), read(key, start, start + step)
+
+
+def _distance(pairs) -> float:
+    """``‖a − b‖`` relative to the larger of the two (zero tensors stay comparable), over the
+    ``(a, b)`` slices of ``pairs``, summed in float64."""
+    sums = torch.zeros(3, dtype=torch.float64)
+    for a, b in pairs:
+        x, y = a.double().reshape(-1), b.double().reshape(-1)
+        sums += torch.stack([x.square().sum(), y.square().sum(), (x - y).square().sum()])
+    norm_a, norm_b, gap = sums.sqrt().tolist()
+    return gap / max(norm_a, norm_b, 1e-30)
+
+
+def _residual(original: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """``original − decoded`` in float64, rounded to float32 (a slice at a time: elementwise,
+    so the same as at once)."""
+    out = torch.empty(original.numel(), dtype=torch.float32)
+    start = 0
+    for x, y in _flat_slices(original, decoded):
+        out[start : start + len(x)] = (x - y).float()
+        start += len(x)
+    return out.reshape(original.shape)
+
+
+def _flat_slices(*tensors: torch.Tensor):
+    """The tensors flattened and cut into aligned slices of :data:`SLICE` elements, each
+    slice in float64."""
+    flats = [t.reshape(-1) for t in tensors]
+    for start in range(0, flats[0].numel(), SLICE):
+        yield [flat[start : start + SLICE].double() for flat in flats]

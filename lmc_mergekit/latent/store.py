@@ -80,12 +80,32 @@ class LatentStore:
         residuals = folder / RESIDUAL_FOLDER
         self._residuals = CheckpointReader(residuals) if residuals.is_dir() else None
 
+    def has(self, key: str) -> bool:
+        """Whether the folder holds latents of ``key`` (tensors outside the canonical view,
+        such as a vision tower, have none)."""
+        return self._latents.has(key)
+
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean and log-variance ``(2, chunks, latent)`` and normalisations of
         ``key``."""
         if not self._latents.has(key):
             raise LmcError(f"the prepared latents hold no tensor {key!r}")
         return self._latents.get(key), self._latents.get(STATS_PREFIX + key)
+
+    def means(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Posterior means ``(chunks, latent)`` (the log-variances left unread) and
+        normalisations of ``key``."""
+        if not self._latents.has(key):
+            raise LmcError(f"the prepared latents hold no tensor {key!r}")
+        return self._latents.rows(key, 0, 1)[0], self._latents.get(STATS_PREFIX + key)
+
+    def has_residual(self, key: str) -> bool:
+        """Whether ``key`` has a reconstruction residual (a transported source has none)."""
+        return self._residuals is not None and self._residuals.has(key)
+
+    def residual_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``key``'s reconstruction residual (read alone)."""
+        return self._residuals.rows(key, start, stop)
 
     def residual(self, key: str) -> torch.Tensor | None:
         """The reconstruction residual of ``key`` (None for a transported source)."""

@@ -12,11 +12,11 @@ import torch
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, load_autoencoder
-from lmc_mergekit.latent.chunks import Normalisation
+from lmc_mergekit.latent.chunks import SLICE, Normalisation
 from lmc_mergekit.latent.codec import decode_latents
 from lmc_mergekit.latent.merging import posterior_average, weighted_average
 from lmc_mergekit.latent.store import open_store
-from lmc_mergekit.models.layout import KeyLayout, checkpoint_layout
+from lmc_mergekit.models.layout import KeyLayout, part_count, part_layout
 
 
 def decode_key(
@@ -46,35 +46,52 @@ def merge_key(
     seed: int,
     residuals: bool,
     device: torch.device,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """``key`` of the merge of the prepared ``folders``: each model's posterior mean (or the
     mean of ``samples`` posterior draws), their weighted average, decoded; with ``residuals``,
     plus the weighted average of the inputs' reconstruction residuals (over the inputs that
-    have one), so that where the merge leaves a model unchanged its weights come back exactly."""
+    have one), so that where the merge leaves a model unchanged its weights come back exactly.
+    Computed in float64 and rounded once to ``dtype``; the residuals are read and added a
+    slice of rows at a time."""
     stores = [open_store(folder) for folder in folders]
     autoencoders = {store.autoencoder for store in stores}
     if len(autoencoders) > 1:
         raise LmcError("ls_merge inputs were encoded by different autoencoders; re-run the recipe")
-    latents, stats = zip(*(store.get(key) for store in stores), strict=True)
-    draws = [
-        posterior_average(z[0], z[1], samples, _generator(seed, key, index))
-        for index, z in enumerate(latents)
-    ]
     autoencoder = autoencoder_at(str(autoencoders.pop()), str(device))
     merged = decode_key(
         autoencoder,
         prepared_layout(folders[0])[key],
-        weighted_average(draws, weights, normalize),
-        weighted_average(list(stats), weights, normalize),
+        *_averaged_latents(stores, key, weights, normalize, samples, seed),
     )
-    if residuals:
-        found = [(store.residual(key), w) for store, w in zip(stores, weights, strict=True)]
-        found = [(residual, w) for residual, w in found if residual is not None]
-        # All weight on transported sources: there is no residual to add.
-        if found and sum(w for _, w in found) != 0:
-            residual, weight = zip(*found, strict=True)
-            merged = merged + weighted_average(list(residual), list(weight), normalize)
-    return merged
+    with_residual = [(store, w) for store, w in zip(stores, weights, strict=True)]
+    with_residual = [(store, w) for store, w in with_residual if store.has_residual(key)]
+    # All weight on transported sources: there is no residual to add.
+    if not residuals or not with_residual or sum(w for _, w in with_residual) == 0:
+        return merged.to(dtype)
+    out = torch.empty(merged.shape, dtype=dtype)
+    step = max(1, SLICE // max(1, merged[0].numel()))
+    for start in range(0, len(merged), step):
+        stop = start + step
+        found = [store.residual_rows(key, start, stop) for store, _ in with_residual]
+        average = weighted_average(found, [w for _, w in with_residual], normalize)
+        out[start:stop] = (merged[start:stop] + average).to(dtype)
+    return out
+
+
+def _averaged_latents(stores, key, weights, normalize, samples, seed):
+    """The weighted average of the inputs' posterior means (or draws) of ``key``, and of their
+    normalisations; each input's stored latents are let go once its draw is made."""
+    draws, stats = [], []
+    for index, store in enumerate(stores):
+        if samples:
+            (mean, log_var), normalisations = store.get(key)
+        else:  # the posterior means alone: the log-variances are not read
+            (mean, normalisations), log_var = store.means(key), None
+        draws.append(posterior_average(mean, log_var, samples, _generator(seed, key, index)))
+        stats.append(normalisations)
+        del mean, log_var
+    return weighted_average(draws, weights, normalize), weighted_average(stats, weights, normalize)
 
 
 def _generator(seed: int, key: str, index: int) -> torch.Generator:
@@ -83,12 +100,39 @@ def _generator(seed: int, key: str, index: int) -> torch.Generator:
 
 
 @cache
-def prepared_layout(folder: str) -> dict[str, KeyLayout]:
+def prepared_layout(folder: str) -> PreparedLayout:
     """The checkpoint layout of a prepared folder (cached: mergekit asks once per tensor)."""
-    from lmc_mergekit.models.adapters import open_model
+    return PreparedLayout(Path(folder))
 
-    view = open_model(Path(folder))
-    return checkpoint_layout(view.adapter, view)
+
+class PreparedLayout:
+    """The checkpoint layout of a prepared folder, one part at a time: the part each key
+    belongs to is found once (each part read and laid out, then let go), and a key's layout
+    comes from its part's, laid out again when asked for. The last part's layouts are kept:
+    mergekit asks for a part's tensors one after another. So the merge holds one part's
+    layouts (most keys need no index at all), never the whole model's."""
+
+    def __init__(self, folder: Path):
+        from lmc_mergekit.models.adapters import open_model
+
+        self._view = open_model(folder)
+        adapter = self._view.adapter
+        self._part_of = {
+            key: index
+            for index in range(part_count(self._view))
+            for key in part_layout(adapter, self._view, index).keys
+        }
+        self._last: tuple[int, dict[str, KeyLayout]] | None = None
+
+    def __getitem__(self, key: str) -> KeyLayout:
+        index = self._part_of.get(key)
+        if index is None:
+            raise LmcError(
+                f"the prepared folder holds no tensor {key!r}; re-run the pre-merge pass"
+            )
+        if self._last is None or self._last[0] != index:
+            self._last = (index, part_layout(self._view.adapter, self._view, index).keys)
+        return self._last[1][key]
 
 
 @cache

@@ -8,7 +8,9 @@ symmetry with the same differentiable actions that write checkpoints, mixes them
 ``λ`` and runs the result (a block through a one-layer stock ``transformers`` module,
 :class:`~lmc_mergekit.models.block_runner.BlockRunner`). Each block runs under activation
 checkpointing, so a step keeps the residual stream between blocks, not a mixed model: memory
-is the endpoints plus one block's work.
+is the endpoints plus one block's work. On the CPU the endpoints are held in their checkpoint's
+dtype (a bf16 checkpoint's values exactly, in half the memory of float32) and a part runs in
+float32; the embeddings move only the rows the batch uses, never a whole vocabulary.
 
 Under several processes every part module is sharded with torch's FSDP (``fully_shard``): each
 process holds a ``1/world_size`` slice of every endpoint, and a part's forward (and its
@@ -19,24 +21,42 @@ time it runs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lmc_mergekit.models.block_runner import BlockRunner, embed, final_logits
-from lmc_mergekit.models.view import ModelView, iter_tensors, map_named_tensors, map_tensors
+from lmc_mergekit.models.block_runner import (
+    BlockRunner,
+    embed,
+    final_norm,
+    head_logits,
+    soft_capped,
+)
+from lmc_mergekit.models.view import (
+    Head,
+    ModelView,
+    iter_tensors,
+    map_named_tensors,
+    map_tensors,
+)
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.symmetry.actions import transform_block, transform_embeddings, transform_head
 from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 from lmc_mergekit.symmetry.transform import Transform
 
 
-def endpoint_dtype(device: torch.device) -> torch.dtype:
-    """How endpoints are held: bfloat16 on a GPU (learning runs under bf16 autocast there),
-    float32 elsewhere."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def endpoint_dtype(device: torch.device, parts: list | None = None) -> torch.dtype:
+    """How endpoints are held: bfloat16 on a GPU (learning runs under bf16 autocast there);
+    elsewhere in the dtype the ``parts`` share (a bf16 checkpoint's: exact, and half the
+    memory of float32; they run in float32), float32 if they have several."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    dtypes = {t.dtype for part in parts or [] for _, t in iter_tensors(part)}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
 class EndpointPart(nn.Module):
@@ -45,7 +65,9 @@ class EndpointPart(nn.Module):
 
     def __init__(self, parts: list, device: torch.device):
         super().__init__()
-        dtype = endpoint_dtype(device)
+        dtype = endpoint_dtype(device, parts)
+        # Held in bf16 on the CPU, a part runs in float32 (on a GPU autocast takes bf16).
+        self.compute_dtype = None if device.type == "cuda" else torch.float32
         # The parts' structure, without their data, to rebuild them from the parameters.
         self.templates = [map_tensors(part, lambda t: t.to("meta")) for part in parts]
         for index, part in enumerate(parts):
@@ -60,6 +82,12 @@ class EndpointPart(nn.Module):
             for index, template in enumerate(self.templates)
         ]
         return compute(parts, *inputs)
+
+    def computed(self, parts: list) -> list:
+        """``parts`` in the dtype they run in (float32 on the CPU; as held on a GPU)."""
+        if self.compute_dtype is None:
+            return parts
+        return [map_tensors(part, lambda t: t.to(self.compute_dtype)) for part in parts]
 
 
 def _key(index: int, name: str) -> str:
@@ -139,27 +167,101 @@ class InterpolationObjective(nn.Module):
 
         def embeddings(parts: list) -> torch.Tensor:
             self._note_gathered()
-            mixed = _mix(moved(parts, transform_embeddings), weights)
-            return embed(mixed, input_ids, spec).float()
+            # Only the rows the batch uses are moved (each row moves on its own): never a
+            # moved copy of a whole vocabulary per model.
+            used, inverse = torch.unique(input_ids, return_inverse=True)
+            rows = [replace(part, tokens=part.tokens[used]) for part in parts]
+            mixed = _mix(moved(self.embeddings.computed(rows), transform_embeddings), weights)
+            return embed(mixed, inverse, spec).float()
 
         def block(index: int) -> Callable:
             def run(parts: list, residual: torch.Tensor) -> torch.Tensor:
                 self._note_gathered()
                 act = lambda b, t: transform_block(b, spec, t, index)  # noqa: E731
+                parts = self.blocks[index].computed(parts)
                 return self.runner.output(_mix(moved(parts, act), weights), residual, index)
 
             return run
 
         def loss(parts: list, residual: torch.Tensor) -> torch.Tensor:
             self._note_gathered()
-            logits = final_logits(_mix(moved(parts, transform_head), weights), residual, spec)
-            # transformers' causal-LM loss: every position predicts the next token.
-            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+            # A head moves by ``W ← W·M``, ``b ← b + W·β``: move a d × d identity in its place
+            # and read each model's stored head through its ``M``, ``β``, never a moved (or a
+            # float32) copy of a vocab × d head.
+            probes = moved(self.head.computed([_probe(p) for p in parts]), transform_head)
+            norm = _mix([probe.norm for probe in probes], weights)
+            readers = [
+                HeadReader(part.weight, probe.weight, probe.bias, part.bias)
+                for part, probe in zip(parts, probes, strict=True)
+            ]
+            # transformers' causal-LM loss: every position predicts the next token. The logits
+            # are made a few hundred tokens at a time and made again in the backward.
+            states, targets = residual[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten()
+            pieces = [
+                checkpoint(
+                    _summed_loss,
+                    norm,
+                    readers,
+                    weights,
+                    states[start:stop],
+                    targets[start:stop],
+                    spec,
+                    use_reentrant=False,
+                )
+                for start, stop in _spans(len(targets), LOSS_TOKENS)
+            ]
+            return sum(pieces[1:], pieces[0]) / len(targets)
 
         residual = self.embeddings(embeddings)
         for index, module in enumerate(self.blocks):
             residual = checkpoint(module, block(index), residual, use_reentrant=False)
         return self.head(loss, residual)
+
+
+#: Tokens whose logits one piece of the loss makes at a time: at a 128k vocabulary a batch of
+#: 16×128 tokens has 1 GB of float32 logits, and the loss and its gradient copy them.
+LOSS_TOKENS = 512
+
+
+class HeadReader(NamedTuple):
+    """One endpoint's moved head as ``(x·Mᵀ + β)·Wᵀ + b``: its stored head ``W``, ``b`` and
+    the ``M``, ``β`` its symmetry made of an identity."""
+
+    weight: torch.Tensor
+    matrix: torch.Tensor
+    shift: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        states = normed @ self.matrix.to(normed).T
+        if self.shift is not None:
+            states = states + self.shift.to(normed)
+        return head_logits(states, self.weight, self.bias)
+
+
+def _probe(head: Head) -> Head:
+    """``head`` with a d × d identity for its weight (a zero shift where it has a bias: an
+    absorbed norm bias folds into it as it would into the head's bias)."""
+    d = head.weight.shape[1]
+    eye = torch.eye(d, dtype=head.norm.gain.dtype, device=head.weight.device)
+    shift = None if head.bias is None else eye.new_zeros(d)
+    return replace(head, weight=eye, bias=shift)
+
+
+def _summed_loss(
+    norm, readers: list[HeadReader], weights: torch.Tensor, states, targets, spec
+) -> torch.Tensor:
+    """The summed next-token cross-entropy of ``states`` ``(n, d)`` through the final ``norm``
+    and the ``weights``-mix of the endpoints' heads."""
+    normed = final_norm(norm, states, spec)
+    pairs = zip(weights, readers, strict=True)
+    terms = [weight * reader.logits(normed) for weight, reader in pairs]
+    logits = soft_capped(sum(terms[1:], terms[0]), spec)
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def _spans(count: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, count)) for start in range(0, count, size)]
 
 
 def _mix(parts: list, weights: torch.Tensor):

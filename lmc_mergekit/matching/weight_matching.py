@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import torch
@@ -48,6 +48,8 @@ from lmc_mergekit.matching.assignment import (
 )
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
 from lmc_mergekit.matching.procrustes import residual_procrustes
+from lmc_mergekit.models.adapters.base import CheckpointView
+from lmc_mergekit.models.checkpoint import CheckpointReader, MetaReader, RowsReader
 from lmc_mergekit.models.view import (
     Block,
     Embeddings,
@@ -75,6 +77,9 @@ TOLERANCE = 1e-4
 STEADY_ROTATION = 1e-3
 #: Where the heavy products run (the fits and the assignments run in float64 on the CPU).
 WORK_DTYPE = torch.float32
+#: Token rows of the embeddings and the head worked on at a time: the descent holds a block of
+#: each model and this many rows, never a whole embedding (2 GB in float32 at 256k × 2304).
+ROW_CHUNK = 16384
 
 
 @dataclass(frozen=True)
@@ -100,9 +105,11 @@ def match_weights(
     tolerance: float = TOLERANCE,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    keep_tie: bool = False,
 ) -> MatchResult:
     """The symmetry of ``other`` (norms absorbed, rotation, scale, head and neuron permutations,
-    per-head maps) that brings its weights closest to ``reference``'s."""
+    per-head maps) that brings its weights closest to ``reference``'s; with ``keep_tie``, one
+    that keeps tied embeddings tied (a signed-permutation residual map, the final norm kept)."""
     start = time.perf_counter()
     spec = reference.spec
     mismatch = spec.shape_mismatch(other.spec)
@@ -111,8 +118,8 @@ def match_weights(
             "weight matching needs two models of one shape: {} is {} vs {}".format(*mismatch)
         )
     device = torch.device(device)
-    a, b = _Working(reference, device), _Working(other, device)
-    group = symmetry_group(spec).residual
+    a, b = _Working(reference, device, keep_tie), _Working(other, device, keep_tie)
+    group = symmetry_group(spec, keep_tie).residual
     scale = math.sqrt(spec.norm_eps / other.spec.norm_eps)
     # Embeddings and heads correspond row by row and no assignment moves them: their share of
     # every round's cross-correlation is this one.
@@ -132,7 +139,7 @@ def match_weights(
             a, b, spec, rotation, scale, outside, layers, steady, moved_by, bar, iterations
         )
         layers, changed = round_.layers, round_.changed
-        candidate = Transform(spec.num_layers, True, rotation, scale, tuple(layers))
+        candidate = Transform(spec.num_layers, True, rotation, scale, tuple(layers), keep_tie)
         distances.append(round_.distance)
         solved.append(round_.solved)
         bar.update()
@@ -174,12 +181,13 @@ def _round(
     """One pass over the model: B turned by ``rotation``, every layer assigned (or kept), the
     distance of the result, and the cross-correlation for the next rotation (``outside``: the
     embeddings' and heads' share of it)."""
-    turn = Transform(spec.num_layers, True, rotation, scale).to(WORK_DTYPE)
+    turn = Transform(spec.num_layers, True, rotation, scale, keep_tie=a.keep_tie).to(WORK_DTYPE)
     turn = replace(turn, rotation=turn.rotation.to(a.device))
-    acc = _Accumulator(scale)
+    acc = _Accumulator(scale, a.keep_tie)
     acc.cross = outside.to(a.device)
-    acc.add_distance(a.embeddings(), transform_embeddings(b.embeddings(), turn))
-    acc.add_distance(a.head(), transform_head(b.head(), turn))
+    for part_a, part_b, first in _outside(a, b):
+        moved = _move_outside(part_b, turn)
+        acc.add_distance(*_counted(part_a, moved, first))
     layers, changed, solved = [], [], 0
     for index in range(spec.num_layers):
         bar.set_postfix_str(f"round {iteration}, layer {index + 1}/{spec.num_layers}")
@@ -202,10 +210,11 @@ class _Accumulator:
     """Sums, part by part, ``||B' - A||²`` and ``||A||²`` (B' = B moved) and the
     cross-correlation ``Σ X_Bᵀ·X_A`` of the residual rows of B permuted (not turned)."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, keep_tie: bool = False):
         self.diff = self.total = 0.0
         self.cross = None
         self.scale = scale
+        self.keep_tie = keep_tie
 
     def add_distance(self, part_a, moved) -> None:
         for (_, ta), (_, tb) in zip(iter_tensors(part_a), iter_tensors(moved), strict=True):
@@ -213,7 +222,8 @@ class _Accumulator:
             self.total += float(ta.double().pow(2).sum())
 
     def add_cross(self, part_a, part_b) -> None:
-        for (xa, writes), (xb, _) in zip(_rows(part_a), _rows(part_b), strict=True):
+        rows_a, rows_b = (_rows(part, self.keep_tie) for part in (part_a, part_b))
+        for (xa, writes), (xb, _) in zip(rows_a, rows_b, strict=True):
             term = (xb.T @ xa).double()
             term = term * self.scale if writes else term
             self.cross = term if self.cross is None else self.cross + term
@@ -222,15 +232,16 @@ class _Accumulator:
         return (self.diff / max(self.total, 1e-300)) ** 0.5
 
 
-def _rows(part) -> Iterator[tuple[torch.Tensor, bool]]:
-    """(rows ``X`` of a part that move as ``X·Q`` with the residual stream, written to it?)."""
+def _rows(part, tied_head: bool = False) -> Iterator[tuple[torch.Tensor, bool]]:
+    """(rows ``X`` of a part that move as ``X·Q`` with the residual stream, written to it?); a
+    head kept tied to the embeddings moves as they do (``W ← g·W·Q``)."""
     if isinstance(part, Embeddings):
         yield part.tokens, True
         if part.positions is not None:
             yield part.positions, True
         return
     if isinstance(part, Head):
-        yield part.weight, False
+        yield part.weight, tied_head
         if part.norm.bias is not None:
             yield part.norm.bias[None], False
         return
@@ -251,20 +262,72 @@ def _rows(part) -> Iterator[tuple[torch.Tensor, bool]]:
 def _cross(a, b, scale: float) -> torch.Tensor:
     """The cross-correlation of the embeddings and the heads of ``b`` and ``a``: they
     correspond row by row in any two models sharing a tokenizer."""
-    acc = _Accumulator(scale)
-    acc.add_cross(a.embeddings(), b.embeddings())
-    acc.add_cross(a.head(), b.head())
+    acc = _Accumulator(scale, a.keep_tie)
+    for part_a, part_b, first in _outside(a, b):
+        acc.add_cross(*_counted(part_a, part_b, first))
     return acc.cross.cpu()
 
 
 def _distance(a, b) -> float:
     """``||B - A|| / ||A||`` over every weight."""
     acc = _Accumulator(1.0)
-    acc.add_distance(a.embeddings(), b.embeddings())
-    acc.add_distance(a.head(), b.head())
+    for part_a, part_b, first in _outside(a, b):
+        acc.add_distance(*_counted(part_a, part_b, first))
     for index in range(a.spec.num_layers):
         acc.add_distance(a.block(index), b.block(index))
     return acc.distance()
+
+
+def _outside(
+    a: _Working, b: _Working
+) -> Iterator[tuple[Embeddings | Head, Embeddings | Head, bool]]:
+    """The embeddings, then the heads, of ``a`` and ``b`` side by side, :data:`ROW_CHUNK`
+    rows at a time, and whether the chunk is its part's first (the only one whose other
+    tensors, such as the final norm, count)."""
+    for read in ("embeddings", "head"):
+        for index, (part_a, part_b) in enumerate(zip(a.chunks(read), b.chunks(read), strict=True)):
+            yield part_a, part_b, index == 0
+
+
+def _move_outside(part: Embeddings | Head, turn: Transform) -> Embeddings | Head:
+    if isinstance(part, Embeddings):
+        return transform_embeddings(part, turn)
+    return transform_head(part, turn)
+
+
+def _counted(part_a, part_b, first: bool) -> tuple:
+    """Both chunks as they count: whole for a part's first chunk, only their rows after it."""
+    if first:
+        return part_a, part_b
+    return _rows_only(part_a), _rows_only(part_b)
+
+
+def _rows_only(part: Embeddings | Head) -> Embeddings | Head:
+    if isinstance(part, Embeddings):
+        return replace(part, **{f.name: None for f in fields(part) if f.name != "tokens"})
+    return replace(part, norm=replace(part.norm, weight=part.norm.weight[:0], bias=None))
+
+
+def _row_chunks(view: ModelView, read: str, field: str) -> Iterator[Embeddings | Head]:
+    """``view``'s part ``read`` (``embeddings`` or ``head``) with :data:`ROW_CHUNK` rows of
+    its matrix ``field`` at a time (and of a head's bias), the rest of the part whole. Where
+    the checkpoint stores that matrix as it is, each slice is read alone; otherwise the part is
+    read whole once and sliced."""
+    if isinstance(view, CheckpointView):
+        reader = CheckpointReader(view.folder)
+        traced = MetaReader(reader)
+        part = getattr(view.adapter, f"read_{read}")(traced, view.spec)
+        name = traced.name_of(getattr(part, field))
+        if name is not None and getattr(part, "bias", None) is None:
+            count = reader.shape(name)[0]
+            for start in range(0, count, ROW_CHUNK):
+                rows = RowsReader(reader, name, start, min(start + ROW_CHUNK, count))
+                yield getattr(view.adapter, f"read_{read}")(rows, view.spec)
+            return
+    part = getattr(view, read)()
+    sliced = [field] + (["bias"] if getattr(part, "bias", None) is not None else [])
+    for start in range(0, len(getattr(part, field)), ROW_CHUNK):
+        yield replace(part, **{f: getattr(part, f)[start : start + ROW_CHUNK] for f in sliced})
 
 
 def match_layer(
@@ -326,6 +389,7 @@ class _Working:
 
     view: ModelView
     device: torch.device
+    keep_tie: bool = False
 
     @property
     def spec(self) -> ModelSpec:
@@ -333,16 +397,17 @@ class _Working:
 
     @cached_property
     def _absorb(self) -> Transform:
-        return Transform(self.spec.num_layers, absorb_norms=True)
+        return Transform(self.spec.num_layers, absorb_norms=True, keep_tie=self.keep_tie)
 
     def _work(self, part):
         return map_tensors(part, lambda t: t.to(self.device, WORK_DTYPE))
 
-    def embeddings(self) -> Embeddings:
-        return transform_embeddings(self._work(self.view.embeddings()), self._absorb)
+    def chunks(self, read: str) -> Iterator[Embeddings | Head]:
+        """The embeddings (``read``: ``embeddings``) or the head (``head``), :data:`ROW_CHUNK`
+        token rows at a time, each chunk with the rest of its part (see :func:`_row_chunks`)."""
+        field = "tokens" if read == "embeddings" else "weight"
+        for part in _row_chunks(self.view, read, field):
+            yield _move_outside(self._work(part), self._absorb)
 
     def block(self, index: int) -> Block:
         return transform_block(self._work(self.view.block(index)), self.spec, self._absorb, index)
-
-    def head(self) -> Head:
-        return transform_head(self._work(self.view.head()), self._absorb)

@@ -24,7 +24,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import Adapter
 from lmc_mergekit.models.checkpoint import read_config
 from lmc_mergekit.models.functional import FunctionalModel
-from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView
+from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView, Norm
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,7 @@ class _OneLayer(FunctionalModel):
         """The module's weights for ``block`` (as layer 0), float32 on the module's device."""
         tensors = self.adapter.block_tensors(block, self.spec, 0)
         state = {
-            self.adapter.module_names.get(k, k): t.to(self.device, torch.float32)
-            for k, t in tensors.items()
+            self.adapter.module_key(k): t.to(self.device, torch.float32) for k, t in tensors.items()
         }
         missing = self._block_weights - state.keys()
         if missing:
@@ -194,24 +193,71 @@ class BlockRunner:
 def final_logits(head: Head, residual: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     """The logits the final norm and the head compute from the last residual stream
     (differentiable; soft-capped where the family caps them)."""
-    gain, bias = (t if t is None else t.to(residual) for t in (head.norm.gain, head.norm.bias))
+    normed = final_norm(head.norm, residual, spec)
+    return soft_capped(head_logits(normed, head.weight, head.bias), spec)
+
+
+def final_norm(norm: Norm, residual: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """The final norm of the residual stream (differentiable)."""
+    gain, bias = (t if t is None else t.to(residual) for t in (norm.gain, norm.bias))
     width = (residual.shape[-1],)
     if spec.norm == "layernorm":
-        normed = F.layer_norm(residual, width, gain, bias, spec.norm_eps)
+        return F.layer_norm(residual, width, gain, bias, spec.norm_eps)
+    return F.rms_norm(residual, width, gain, spec.norm_eps)
+
+
+#: Vocabulary rows of a half-precision head cast to the states' dtype at a time.
+HEAD_ROWS = 16384
+
+
+def head_logits(
+    states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``states·Wᵀ + b``. A frozen head stored in another dtype is cast a slice of vocabulary
+    rows at a time, in the forward and again in the backward: never a whole vocab × d copy
+    (under autocast, autocast casts)."""
+    sliced = weight.dtype != states.dtype and not weight.requires_grad
+    if sliced and not torch.is_autocast_enabled(states.device.type):
+        logits = _FrozenHead.apply(states, weight)
     else:
-        normed = F.rms_norm(residual, width, gain, spec.norm_eps)
-    logits = normed @ head.weight.to(residual).T
-    if head.bias is not None:
-        logits = logits + head.bias.to(residual)
-    if spec.final_softcap:
-        logits = spec.final_softcap * torch.tanh(logits / spec.final_softcap)
-    return logits
+        logits = states @ weight.to(states).T
+    return logits if bias is None else logits + bias.to(states)
+
+
+class _FrozenHead(torch.autograd.Function):
+    """``states·Wᵀ`` for a frozen ``W`` of another dtype, cast :data:`HEAD_ROWS` rows at a
+    time; the backward casts the slices again rather than keeping them."""
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.dtype = states.dtype
+        rows = torch.split(weight, HEAD_ROWS)
+        return torch.cat([states @ r.to(states.dtype).T for r in rows], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        rows = torch.split(weight, HEAD_ROWS)
+        grads = torch.split(grad, HEAD_ROWS, dim=-1)
+        total = sum(g @ r.to(ctx.dtype) for g, r in zip(grads, rows, strict=True))
+        return total, None
+
+
+def soft_capped(logits: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """``c·tanh(logits/c)`` where the family caps its final logits."""
+    if not spec.final_softcap:
+        return logits
+    return spec.final_softcap * torch.tanh(logits / spec.final_softcap)
 
 
 def embed(embeddings: Embeddings, input_ids: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     """The residual stream entering the first block: token embeddings (times the family's
-    multiplier) and learned positions."""
+    multiplier) and learned positions, in float32 at least (a half-precision product would
+    round the stream before the first block)."""
     residual = embeddings.tokens[input_ids]
+    if residual.dtype in (torch.bfloat16, torch.float16):
+        residual = residual.float()
     if spec.embedding_multiplier != 1.0:
         residual = residual * spec.embedding_multiplier
     if embeddings.positions is not None:

@@ -22,9 +22,11 @@ def module_config(
     folder: Path, adapter: Adapter, spec: ModelSpec, trust_remote_code: bool = False
 ) -> PretrainedConfig:
     """The transformers config of ``folder``'s model rewritten to describe ``spec``: the config
-    a checkpoint of ``spec`` written from ``folder`` gets."""
+    a checkpoint of ``spec`` written from ``folder`` gets (of its text model, where the family
+    nests one: the canonical view is the text model)."""
     config = load_config(folder, trust_remote_code)
-    return type(config).from_dict(adapter.updated_config(read_config(folder), spec))
+    updated = type(config).from_dict(adapter.updated_config(read_config(folder), spec))
+    return adapter.text_config(updated)
 
 
 def stock_module(config: PretrainedConfig, device: torch.device, trust_remote_code: bool = False):

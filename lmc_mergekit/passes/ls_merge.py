@@ -40,6 +40,7 @@ WEIGHT_AVERAGE, NOISE_FLOOR = "weight_average", "noise_floor"
 class LatentSettings(TextSettings):
     """``latent:`` for ``ls_merge``."""
 
+    model_keys: ClassVar[dict[str, bool]] = {"extra_models": True}
     merge_only: ClassVar[tuple[str, ...]] = ("samples", "sample_seed", "keep_residuals")
     # The autoencoder trains on weights, not text: the text only evaluates.
     measure_only: ClassVar[tuple[str, ...]] = (
@@ -234,6 +235,8 @@ class LatentReport(Report):
                 else "plain decode (reconstruction residuals not kept).\n"
             ),
         ]
+        if self.test is not None and (note := self.test.tokenizer_note()):
+            lines.append(note + "\n")
         header = "| input | role | mean reconstruction error |"
         if self.test is not None:
             header += " original test loss | decoded test loss (λ = 0) |"
