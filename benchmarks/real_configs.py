@@ -193,7 +193,12 @@ CONFIGS: dict[str, RealConfig] = {
         layers=2,
         bos="<|endoftext|>",
         eos="<|endoftext|>",
-        smaller={"hidden_size": 1024, "num_attention_heads": 8, "intermediate_size": 4096},
+        smaller={
+            "hidden_size": 1024,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "intermediate_size": 4096,
+        },
         compensate=False,
         note="OLMo-2-0425-1B is the smallest OLMo 2: half width, head size 128 kept",
     ),
