@@ -312,3 +312,24 @@ def test_frozen_half_precision_head_is_read_a_slice_at_a_time(monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     # Only the stored bf16 head is kept for the backward, no float32 copy of it.
     assert not any(t.dtype == torch.float32 and t.shape[0] >= 10 and t.dim() == 2 for t in saved)
+
+
+@pytest.mark.parametrize("shape", [(37, 8), (37,), ()])
+def test_prepared_inputs_merge_a_slice_of_rows_at_a_time(shape, monkeypatch):
+    """The prepared-input methods' average is mergekit's linear kernel on the whole tensor,
+    bit for bit, though made a few rows at a time (bf16 inputs, float32 sums)."""
+    from mergekit.merge_methods.api import merge_tensors
+    from mergekit.merge_methods.base import PerInputValues, TensorGroup
+
+    from lmc_mergekit.plugin import merge_methods
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=generator).to(torch.bfloat16) for _ in range(3)]
+    weights = [0.2, 0.5, 0.3]
+    group = TensorGroup.from_tensors(tensors)
+    values = PerInputValues(list(zip(range(3), weights, strict=True)))
+    method = merge_methods.PreparedInputMerge("lmc_dm", "LMC-DM", "")
+    whole = merge_tensors(tensors, "linear", parameters={"weight": weights, "normalize": True})
+    monkeypatch.setattr(merge_methods, "MERGE_ELEMENTS", 80)  # ten rows of 8 at a time
+    sliced = method.merge_group(group, weight=values, normalize=True)
+    assert sliced.dtype == torch.bfloat16 and torch.equal(sliced, whole)

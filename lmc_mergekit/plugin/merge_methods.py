@@ -29,6 +29,9 @@ from lmc_mergekit.latent.store import open_store
 from lmc_mergekit.latent.tensor_merge import merge_key
 from lmc_mergekit.runtime.provenance import prepared_by
 
+#: Elements of each input merged at a time by the prepared-input methods.
+MERGE_ELEMENTS = 1 << 24
+
 
 class PluginOnly(click.ClickException):
     """A plugin method called on inputs its pre-merge pass did not prepare (plain mergekit)."""
@@ -73,11 +76,22 @@ class PreparedInputMerge(GroupMergeMethod):
     def merge_group(
         self, group: TensorGroup, /, weight: PerInputValues, normalize: bool
     ) -> torch.Tensor:
-        return merge_tensors(
-            group.tensors,
-            "linear",
-            parameters={"weight": weight.values_for(group.entries), "normalize": normalize},
-        )
+        parameters = {"weight": weight.values_for(group.entries), "normalize": normalize}
+        tensors = list(group.tensors)
+        first = tensors[0]
+        rows = max(1, MERGE_ELEMENTS // max(1, first[0].numel())) if first.dim() else 0
+        if first.dim() == 0 or rows >= first.shape[0]:
+            return merge_tensors(tensors, "linear", parameters=parameters)
+        # The kernel sums in float32: elementwise, so a slice of rows at a time gives the same
+        # tensor without a float32 sum (and addends) of a whole vocabulary at once.
+        merged = None
+        for start in range(0, first.shape[0], rows):
+            pieces = [t[start : start + rows] for t in tensors]
+            piece = merge_tensors(pieces, "linear", parameters=parameters)
+            if merged is None:
+                merged = piece.new_empty(first.shape)
+            merged[start : start + rows] = piece
+        return merged
 
 
 class LatentMerge(PreparedInputMerge):
