@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
-from lmc_mergekit.models.checkpoint import CheckpointReader
+from lmc_mergekit.models.checkpoint import CheckpointReader, row_slices
 from lmc_mergekit.runtime.records import Record
 
 DEFAULT_POINTS = 11
@@ -159,8 +159,7 @@ def _slices(tensor: torch.Tensor) -> list[tuple[int, int] | None]:
     (the whole tensor) when it is no larger."""
     if tensor.numel() <= SLICE_ELEMENTS:
         return [None]
-    step = max(1, SLICE_ELEMENTS // tensor[0].numel())
-    return [(start, min(start + step, len(tensor))) for start in range(0, len(tensor), step)]
+    return [(rows.start, rows.stop) for rows in row_slices(tensor, SLICE_ELEMENTS)]
 
 
 def _read(reader: CheckpointReader, key: str, rows: tuple[int, int] | None) -> torch.Tensor:

@@ -32,7 +32,7 @@ from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import CheckpointView, open_model
 from lmc_mergekit.models.block_runner import BlockRunner
-from lmc_mergekit.models.checkpoint import read_config
+from lmc_mergekit.models.checkpoint import read_config, row_slices
 from lmc_mergekit.models.view import iter_tensors
 from lmc_mergekit.symmetry import Transform, apply_transform
 
@@ -162,9 +162,7 @@ def units_in_last_place(stored: torch.Tensor, exact: torch.Tensor) -> float:
     (a slice of rows at a time)."""
     if stored.dim() == 0 or stored.numel() == 0:
         return _ulps(stored.reshape(-1), exact.reshape(-1))
-    rows = max(1, COMPARE_ELEMENTS // max(1, stored[0].numel()))
-    pairs = zip(torch.split(stored, rows), torch.split(exact, rows), strict=True)
-    return max(_ulps(got, want) for got, want in pairs)
+    return max(_ulps(stored[rows], exact[rows]) for rows in row_slices(stored, COMPARE_ELEMENTS))
 
 
 def _ulps(stored: torch.Tensor, exact: torch.Tensor) -> float:

@@ -67,6 +67,16 @@ def stored_dtype(folder: Path) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
+def row_slices(tensor: torch.Tensor, elements: int) -> list[slice]:
+    """Slices of ``tensor``'s rows of about ``elements`` elements each (one row at least; a
+    0-d tensor is one whole slice): how large tensors are read, compared or merged a piece
+    at a time."""
+    if tensor.dim() == 0 or len(tensor) == 0:
+        return [slice(None)]
+    step = max(1, elements // max(1, tensor[0].numel()))
+    return [slice(start, min(start + step, len(tensor))) for start in range(0, len(tensor), step)]
+
+
 def check_checkpoint(folder: Path) -> None:
     """A one-line error unless ``folder``'s config.json and every safetensors file it has (or
     its index names) can be read: caught before any work instead of half-way through it."""

@@ -27,6 +27,7 @@ from mergekit.merge_methods.base import (
 
 from lmc_mergekit.latent.store import open_store
 from lmc_mergekit.latent.tensor_merge import merge_key
+from lmc_mergekit.models.checkpoint import row_slices
 from lmc_mergekit.runtime.provenance import prepared_by
 
 #: Elements of each input merged at a time by the prepared-input methods.
@@ -78,19 +79,17 @@ class PreparedInputMerge(GroupMergeMethod):
     ) -> torch.Tensor:
         parameters = {"weight": weight.values_for(group.entries), "normalize": normalize}
         tensors = list(group.tensors)
-        first = tensors[0]
-        rows = max(1, MERGE_ELEMENTS // max(1, first[0].numel())) if first.dim() else 0
-        if first.dim() == 0 or rows >= first.shape[0]:
+        slices = row_slices(tensors[0], MERGE_ELEMENTS)
+        if len(slices) == 1:
             return merge_tensors(tensors, "linear", parameters=parameters)
         # The kernel sums in float32: elementwise, so a slice of rows at a time gives the same
         # tensor without a float32 sum (and addends) of a whole vocabulary at once.
         merged = None
-        for start in range(0, first.shape[0], rows):
-            pieces = [t[start : start + rows] for t in tensors]
-            piece = merge_tensors(pieces, "linear", parameters=parameters)
+        for rows in slices:
+            piece = merge_tensors([t[rows] for t in tensors], "linear", parameters=parameters)
             if merged is None:
-                merged = piece.new_empty(first.shape)
-            merged[start : start + rows] = piece
+                merged = piece.new_empty(tensors[0].shape)
+            merged[rows] = piece
         return merged
 
 
