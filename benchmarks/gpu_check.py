@@ -1,19 +1,25 @@
 """Every GPU path of the project in one run on one GPU (an H200: about 6 minutes).
 
-    python benchmarks/gpu_check.py [--work DIR] [--shape 160m] [--zoo-steps 1500]
+    python benchmarks/gpu_check.py [--work DIR] [--shape 160m] [--zoo-steps 1500] [--dry-run]
 
 1. the environment (torch, the device, its memory);
 2. a zoo pair (GPT-NeoX, d=128, 4 layers, seeds 0 and 1) trained on the GPU;
-3. ``lmc_dm`` on that pair with 600 learned-matching steps on the GPU (bf16 autocast), weight
+3. the default device: a plugin recipe run as a plain command line runs it (no ``--device``)
+   lands on the GPU (``lmc_dm`` with ``steps: 0`` on the pair; the GPU memory it held);
+4. ``lmc_dm`` on that pair with 600 learned-matching steps on the GPU (bf16 autocast), weight
    matching's products and the barrier evaluation there too: the barrier table row;
-4. the same recipe (100 steps) under ``torchrun`` with one process, through NCCL;
-5. ``ls_merge`` on the pair (autoencoder trained and the inputs encoded on the GPU);
-6. the scale rows (``benchmarks/scale.py --cuda``) at ``--shape``: ``lmc_dm`` with ``steps: 0``,
+5. the same recipe (100 steps) under ``torchrun`` with one process per GPU (two at most),
+   through NCCL, each process on the GPU of its ``LOCAL_RANK``;
+6. ``ls_merge`` on the pair (autoencoder trained and the inputs encoded on the GPU);
+7. the scale rows (``benchmarks/scale.py --cuda``) at ``--shape``: ``lmc_dm`` with ``steps: 0``,
    ``subclone_compensate`` to half width, ``ls_merge`` encoding, one learned step against one
    plain training step.
 
-Each stage prints its row as it finishes; a stage that fails prints its error and the run goes
-on. Everything printed is also written to ``$OUT/gpu_check.md`` when ``OUT`` is set.
+``--dry-run`` runs the same stages on the CPU at toy sizes (a d=32 pair, a few steps; two gloo
+processes under ``torchrun``; no scale rows) in a few minutes: it checks the script, not the
+GPU, so that the day a GPU is lent is not spent on a typo. Each stage prints its row as it
+finishes; a stage that fails prints its error and the run goes on (the exit status counts the
+failed stages). Everything printed is also written to ``$OUT/gpu_check.md`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from lmc_dm_recipe import HEADER, pair_row
 from mergekit.options import MergeOptions
 from scale import build_pair, measure_learn, measure_pass
 
+from lmc_mergekit.passes.device import pass_device, with_default_device
 from lmc_mergekit.passes.ls_merge import LatentReport
-from lmc_mergekit.plugin.pipeline import run_recipe_file
+from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.zoo import build_zoo
 
 LINES: list[str] = []
+FAILED: list[str] = []
 
 
 def say(line: str) -> None:
@@ -55,71 +63,120 @@ def stage(name: str, fn) -> None:
     except Exception as error:  # a GPU path that fails is a finding, not the end of the run
         say(f"\n**{name} failed** after {time.perf_counter() - started:.0f} s: {error!r}")
         traceback.print_exc()
+        FAILED.append(name)
         return
     say(f"\n({name}: {time.perf_counter() - started:.0f} s)")
 
 
-def environment() -> None:
+def environment(dry_run: bool) -> None:
+    if dry_run:
+        say(f"dry run on the CPU: torch {torch.__version__}, {os.cpu_count()} CPU cores")
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this script checks the GPU paths")
+        raise SystemExit("no CUDA device: this script checks the GPU paths (--dry-run: the CPU)")
     props = torch.cuda.get_device_properties(0)
     say(
-        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {props.name}, "
-        f"{props.total_memory / 1024**3:.0f} GiB, {os.cpu_count()} CPU cores"
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, {props.name} "
+        f"(×{torch.cuda.device_count()}), {props.total_memory / 1024**3:.0f} GiB, "
+        f"{os.cpu_count()} CPU cores"
     )
 
 
-def main() -> None:
+def lmc_dm_recipe(pair: list[Path], path: Path, **alignment) -> Path:
+    """An ``lmc_dm`` recipe on ``pair`` written to ``path``."""
+    recipe = {
+        "merge_method": "lmc_dm",
+        "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in pair],
+        "dtype": "float32",
+        "alignment": alignment,
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gpu-check")
     parser.add_argument("--shape", default="160m")
-    parser.add_argument("--zoo-steps", type=int, default=1500)
+    parser.add_argument("--zoo-steps", type=int, default=None, help="default 1500 (dry: 30)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="the same stages on the CPU at toy sizes"
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    environment()
-    options = MergeOptions(quiet=True, cuda=True)
+    environment(args.dry_run)
+    dry = args.dry_run
+    device = "cpu" if dry else "cuda"
+    # Toy sizes for a dry run: every stage runs, in minutes, on two CPU cores.
+    hidden, layers = (32, 2) if dry else (128, 4)
+    zoo_steps = args.zoo_steps or (30 if dry else 1500)
+    learn_steps, launcher_steps, latent_steps = (20, 4, 20) if dry else (600, 100, 1500)
+    options = MergeOptions(quiet=True, device=device)
     pair: list[Path] = []
 
     def zoo() -> None:
-        pair[:] = build_zoo(
-            args.work / "zoo", "gpt_neox", 128, 4, (0, 1), args.zoo_steps, device="cuda"
-        )
+        root = args.work / "zoo"
+        pair[:] = build_zoo(root, "gpt_neox", hidden, layers, (0, 1), zoo_steps, device=device)
         say(f"zoo pair: {', '.join(p.name for p in pair)}")
 
-    def learned() -> None:
-        say("\n" + HEADER)
-        say(pair_row("gpt_neox d=128 (GPU)", *pair, 600, args.work / "lmc", options))
+    def default_device() -> None:
+        # What a command line without --device gets, then the recipe run that way.
+        chosen = pass_device(with_default_device(MergeOptions(), device_given=False))
+        if chosen.type != device:
+            raise RuntimeError(f"a recipe without --device would run on {chosen}, not {device}")
+        path = lmc_dm_recipe(pair, args.work / "default.yml", steps=0, evaluate=False)
+        if not dry:
+            torch.cuda.reset_peak_memory_stats()
+        out = run_recipe(
+            path,
+            args.work / "default-out",
+            MergeOptions(quiet=True),
+            args.work / "default-cache",
+            overwrite=True,
+            device_given=False,
+        )
+        held = 0 if dry else torch.cuda.max_memory_allocated()
+        if not dry and held == 0:
+            raise RuntimeError("a recipe without --device ran, but nothing was held on the GPU")
+        say(f"default device {chosen}: {out.name} written, {held / 2**20:.0f} MiB held on it")
 
-    def nccl() -> None:
-        recipe = {
-            "merge_method": "lmc_dm",
-            "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in pair],
-            "dtype": "float32",
-            "alignment": {"steps": 100, "evaluate": False},
-        }
-        path = args.work / "nccl.yml"
-        path.write_text(yaml.safe_dump(recipe))
-        command = ["torchrun", "--standalone", "--nproc_per_node", "1", "--no-python"]
+    def learned() -> None:
+        (args.work / "lmc").mkdir(exist_ok=True)
+        say("\n" + HEADER)
+        label = f"gpt_neox d={hidden} ({'CPU, dry run' if dry else 'GPU'})"
+        evaluation = {"points": 3, "eval_sequences": 16} if dry else {}
+        say(pair_row(label, *pair, learn_steps, args.work / "lmc", options, **evaluation))
+
+    def launcher() -> None:
+        # One process per GPU (two at most: LOCAL_RANK picks each one's); two on the CPU.
+        count = 2 if dry else max(1, min(2, torch.cuda.device_count()))
+        path = lmc_dm_recipe(pair, args.work / "launcher.yml", steps=launcher_steps, evaluate=False)
+        command = ["torchrun", "--standalone", "--nproc_per_node", str(count), "--no-python"]
         command += ["lmc-mergekit-yaml"]
-        command += [str(path), str(args.work / "nccl-out"), "--cuda"]
-        env = dict(os.environ, LMC_MERGEKIT_CACHE=str(args.work / "nccl-cache"))
+        command += [str(path), str(args.work / "launcher-out"), "--device", device]
+        command += ["--overwrite"]
+        env = dict(os.environ, LMC_MERGEKIT_CACHE=str(args.work / "launcher-cache"))
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError((done.stderr or done.stdout)[-600:])
-        say("torchrun, one process, NCCL: 100 learned-matching steps, merged and written")
+        backend = "gloo" if dry else "NCCL"
+        say(
+            f"torchrun, {count} process(es), {backend}: {launcher_steps} learned-matching steps, "
+            "merged and written"
+        )
 
     def latent() -> None:
         recipe = {
             "merge_method": "ls_merge",
             "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in pair],
             "dtype": "float32",
-            "latent": {"steps": 1500},
+            "latent": {"steps": latent_steps},
         }
         path = args.work / "ls.yml"
         path.write_text(yaml.safe_dump(recipe))
-        out = run_recipe_file(path, args.work / "ls-out", options, args.work / "cache")
+        out = run_recipe(path, args.work / "ls-out", options, args.work / "cache", overwrite=True)
         report = LatentReport.read(out / LatentReport.file_name)
-        say(f"ls_merge on the GPU: {report.model_dump_json(include={'merged', 'noise_floor'})}")
+        say(f"ls_merge on {device}: {report.model_dump_json(include={'merged', 'noise_floor'})}")
 
     def scale_rows() -> None:
         a, b, params = build_pair(args.shape, args.work)
@@ -142,10 +199,17 @@ def main() -> None:
 
     stage("zoo pair", zoo)
     if pair:
+        stage("default device", default_device)
         stage("lmc_dm learned", learned)
-        stage("torchrun NCCL", nccl)
+        stage("torchrun", launcher)
         stage("ls_merge", latent)
-    stage("scale rows", scale_rows)
+    if dry:
+        say("\n(scale rows: not in a dry run)")
+    else:
+        stage("scale rows", scale_rows)
+    if FAILED:
+        say(f"\nfailed: {', '.join(FAILED)}")
+    return len(FAILED)
 
 
 if __name__ == "__main__":

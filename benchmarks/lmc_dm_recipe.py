@@ -24,7 +24,7 @@ from mergekit.options import MergeOptions
 
 from lmc_mergekit.passes.lmc_dm import AlignmentReport
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.plugin.pipeline import run_recipe_file
+from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.zoo import build_zoo
 
 HEADER = (
@@ -48,7 +48,7 @@ def pair_row(
     path = work / f"{label}.yml"
     path.write_text(yaml.safe_dump(recipe))
     started = time.perf_counter()
-    out = run_recipe_file(path, work / label, options, work / "cache")
+    out = run_recipe(path, work / label, options, work / "cache")
     seconds = time.perf_counter() - started
     report = AlignmentReport.read(out / AlignmentReport.file_name)
     pair, learning = report.pairs[0], report.learning

@@ -37,7 +37,7 @@ from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.passes.ls_merge import LatentReport
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.plugin.pipeline import run_recipe_file
+from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.zoo.train import continue_training
 
 
@@ -46,7 +46,7 @@ def run(recipe: dict, out: Path, cache: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     path = out.with_suffix(".yml")
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
-    return run_recipe_file(path, out, MergeOptions(quiet=True), cache, overwrite=True)
+    return run_recipe(path, out, MergeOptions(quiet=True), cache, overwrite=True)
 
 
 def latent_recipe(models: list[Path], weights: list[float], args, seed: int, **extra) -> dict:

@@ -214,7 +214,7 @@ def pass_worker(args) -> None:
     """Prepare, note the peak, then run the whole recipe (printed as JSON, last)."""
     from mergekit.options import MergeOptions
 
-    from lmc_mergekit.plugin.pipeline import prepare, run_recipe_file
+    from lmc_mergekit.plugin.pipeline import prepare, run_recipe
     from lmc_mergekit.plugin.recipe import read_recipe
     from lmc_mergekit.runtime.distributed import Processes
 
@@ -225,7 +225,7 @@ def pass_worker(args) -> None:
     prepare(recipe.method, recipe.settings, recipe.config, options, cache, Processes())
     prepared = time.perf_counter() - started
     pass_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    run_recipe_file(args.recipe, args.run / "out", options, cache)
+    run_recipe(args.recipe, args.run / "out", options, cache)
     row = {"pass_seconds": prepared, "pass_rss": pass_rss, "base_rss": base_rss}
     if args.cuda:
         row["gpu_peak"] = torch.cuda.max_memory_allocated()

@@ -14,7 +14,7 @@ import torch
 
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.matching.align import block_runner
-from lmc_mergekit.matching.interpolation import InterpolationObjective
+from lmc_mergekit.matching.interpolation import InterpolationObjective, autocast_dtype
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
@@ -34,7 +34,8 @@ def time_step(
     both run under bf16 autocast, as learned matching does there."""
     device = torch.device(device)
     batch = batch.to(device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    dtype = autocast_dtype("auto", device)  # learned matching's default for the device
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
     if mode == "train":
         model = load_fp32(folders[0]).to(device).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -51,7 +52,10 @@ def time_step(
         ends = [apply_transform(view, absorb) for view in views]
         runner = block_runner(views[0], ends[0].spec, device)
         objective = InterpolationObjective(
-            ends, [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)], runner
+            ends,
+            [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)],
+            runner,
+            autocast=dtype,
         )
         objective.symmetries.to(device)
         optimizer = torch.optim.AdamW(objective.symmetries.parameters(), lr=1e-4)

@@ -21,7 +21,7 @@ from mergekit.options import MergeOptions
 
 from lmc_mergekit.passes.lmc_dm import AlignmentReport
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.plugin.pipeline import run_recipe_file
+from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.zoo import build_zoo
 
 
@@ -48,7 +48,7 @@ def main() -> None:
         }
         path = work / f"{arch}.yml"
         path.write_text(yaml.safe_dump(recipe))
-        out = run_recipe_file(path, work / arch, MergeOptions(quiet=True), work / "cache")
+        out = run_recipe(path, work / arch, MergeOptions(quiet=True), work / "cache")
         report = AlignmentReport.read(out / AlignmentReport.file_name)
         pair, match = report.pairs[0], report.matching[0]
         raw, aligned = pair.raw.barrier, pair.matched.barrier

@@ -7,4 +7,4 @@ and ``ls_merge`` in mergekit's method registry and repairs mergekit 0.1.5's arch
 definitions that current checkpoints do not match.
 """
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,12 +31,13 @@ from lmc_mergekit.matching.learned_matching import (
 )
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.block_runner import BlockRunner
-from lmc_mergekit.models.view import materialize
+from lmc_mergekit.models.view import iter_tensors, materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.group import symmetry_group
 from lmc_mergekit.symmetry.parametrize import FAMILIES, PARAMETRIZATIONS, LearnedSymmetry
 from lmc_mergekit.symmetry.rope import rope_commutation_error
+from lmc_mergekit.symmetry.transform import save_transform
 
 ATOL = 5e-5
 EVAL = {"seq_len": 64, "eval_sequences": 64, "points": 5}
@@ -206,18 +208,33 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(tiny_pair):
         learn_symmetries(ends, model, data, config, progress=False)
 
 
-def test_learning_lowers_the_interpolated_loss(tiny_pair):
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_learning_lowers_the_interpolated_loss(tiny_pair, tmp_path, precision):
+    """In float32 and under bf16 autocast (the GPU's path, run here on the CPU: one code path
+    whatever the device) the midpoint's loss falls, and the transforms written are exact
+    symmetries in float64: the moved float32 models compute what their sources compute."""
     ends, model, data = tiny_pair
-    config = LearningConfig(steps=40, lr=0.03, batch_size=8, sampler="half")
+    config = LearningConfig(steps=40, lr=0.03, batch_size=8, sampler="half", precision=precision)
     result = learn_symmetries(ends, model, data, config, progress=False)
     moved = [
         materialize(apply_transform(e, t)) for e, t in zip(ends, result.transforms, strict=True)
     ]
     half = torch.tensor([0.5, 0.5])
-    with torch.no_grad():
+    with torch.no_grad():  # both measured in float32, without autocast
         before = InterpolationObjective(ends, [None, None], model)(half, data)
         after = InterpolationObjective(moved, [None, None], model)(half, data)
     assert float(after) < float(before) - 0.05, (float(before), float(after))
+    ids = probe_ids(seed=2, shape=(2, 16))
+    for source, target, transform in zip(ends, moved, result.transforms, strict=True):
+        transform.check_fits(source.spec)  # orthogonal: no bf16 rounding in the rotation
+        assert {t.dtype for _, t in iter_tensors(target.block(0))} == {torch.float32}
+        expected = model.logits(source, ids)
+        # float32 rounding through the learned (invertible, not orthogonal) head maps: ~5e-5.
+        torch.testing.assert_close(
+            model.logits(target, ids), expected, atol=1e-4 * float(expected.abs().max()), rtol=0
+        )
+        save_transform(transform, tmp_path / "t.safetensors")
+        assert {t.dtype for t in load_file(tmp_path / "t.safetensors").values()} == {torch.float64}
 
 
 # ---- lmc_dm with learned matching, end to end on trained models -----------------------------
@@ -276,6 +293,10 @@ def test_learned_matching_lowers_the_barrier_below_weight_matching(learned):
     assert not list((learned / "cache" / "lmc_dm").glob(".*.state"))
 
 
+#: What learned matching logs (at -v) once a checkpoint is written.
+CHECKPOINTED = re.compile(r"learned matching: step (\d+) checkpointed")
+
+
 def lmc_command(recipe: Path, out: Path, cache: Path) -> list[str]:
     script = Path(sys.executable).parent / "lmc-mergekit-yaml"
     return [str(script), str(recipe), str(out), "--quiet", "--lmc-cache", str(cache)]
@@ -296,26 +317,34 @@ def test_a_killed_run_resumes_and_ends_where_an_uninterrupted_one_does(trained_p
     )
     assert whole.returncode == 0, whole.stderr.decode()[-2000:]
     cache = tmp_path / "cache"
-    process = subprocess.Popen(lmc_command(recipe, tmp_path / "out", cache), env=quiet_env())
-    deadline = time.monotonic() + 300
-    step = 0
-    while step < 30 and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-        for checkpoint in cache.glob(f"lmc_dm/.*.state/{CHECKPOINT_FILE}"):
-            try:
-                step = torch.load(checkpoint, weights_only=False)["step"]
-            except (RuntimeError, EOFError, FileNotFoundError):
-                pass  # replaced while being read
-    assert process.poll() is None, "the run ended before it could be interrupted"
+    # -v: the child logs each checkpoint it has written; it is killed on the line for step 30.
+    process = subprocess.Popen(
+        [*lmc_command(recipe, tmp_path / "out", cache), "-v"],
+        env=quiet_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(600, process.kill)  # a child that hangs silently fails the test
+    watchdog.start()
+    reported = None
+    for line in process.stderr:  # ends when the child exits
+        found = CHECKPOINTED.search(line)
+        if found and int(found[1]) >= 30:
+            reported = int(found[1])
+            break
+    watchdog.cancel()
+    assert reported is not None, "the run ended without reporting the checkpoint of step 30"
     process.send_signal(signal.SIGKILL)
     process.wait()
+    process.stderr.close()
     assert not (tmp_path / "out").exists()
     resumed = subprocess.run(
         lmc_command(recipe, tmp_path / "out", cache), env=quiet_env(), capture_output=True
     )
     assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
     report = json.loads((tmp_path / "out" / "lmc_report.json").read_text())
-    assert report["learning"]["resumed_from_step"] >= 30
+    assert report["learning"]["resumed_from_step"] >= reported
     assert [m.get("reused") for m in report["matching"]] != [None]  # matching was not redone
     merged, expected = (load_file(tmp_path / f / "model.safetensors") for f in ("out", "whole"))
     for name, tensor in expected.items():

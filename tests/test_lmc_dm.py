@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
+from tiny_models import probe_ids
 from transformers import AutoModelForCausalLM
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
@@ -116,4 +118,8 @@ def test_three_models_are_all_aligned_to_the_first(trained_pair, tmp_path):
     # The scrambled copy of the first model is matched back onto it exactly.
     assert abs(report["pairs"][1]["matched"]["barrier"]) < 1e-4
     assert report["pairs"][0]["matched"]["barrier"] < report["pairs"][0]["raw"]["barrier"]
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
+    # transformers finds every weight it needs in the merged output (none left at random
+    # initialisation) and nothing it does not know.
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    assert torch.isfinite(merged(probe_ids()).logits).all()

@@ -275,34 +275,42 @@ def test_transported_source_takes_on_each_target_layer_distribution():
 
 @pytest.mark.slow
 def test_autoencoder_training_resumes_after_a_kill(tmp_path):
-    """A training process killed after a checkpoint resumes to the weights of an uninterrupted
-    run."""
+    """A training process killed right after it reported its first checkpoint resumes to the
+    weights of an uninterrupted run. The child stops at the checkpoint and says so on its
+    stdout; the parent kills it on that line (no polling window a fast machine could miss)."""
     script = f"""
-import sys, torch
+import sys, threading, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from pathlib import Path
 from tiny_models import build_model
 from lmc_mergekit.latent.chunks import model_tensors
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.adapters import open_model
+
+def stop(step):
+    print(f"checkpoint {{step}}", flush=True)
+    threading.Event().wait()  # held here until the parent kills this process
+
 torch.set_num_threads(1)
 named = model_tensors(open_model(build_model("llama", Path(sys.argv[1]))))
 train_autoencoder(named, autoencoder_config_for(named, width=16, depth=1),
     TrainingConfig(steps=300, batch_size=4), progress=False, checkpoint=Path(sys.argv[2]),
-    checkpoint_every=20)
+    checkpoint_every=20, on_checkpoint=stop)
 """
     checkpoint = tmp_path / "state" / "ae.pt"
-    process = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "m"), str(checkpoint)])
+    args = [sys.executable, "-c", script, str(tmp_path / "m"), str(checkpoint)]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    reported = ""
     try:
-        deadline = time.monotonic() + 120
-        while not checkpoint.is_file() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert checkpoint.is_file(), "no checkpoint written"
+        # Each line blocks until the child writes one; it stops writing at its checkpoint.
+        reported = next((line for line in process.stdout if line.startswith("checkpoint")), "")
     finally:
         process.kill()
         process.wait()
+        process.stdout.close()
+    assert reported == "checkpoint 20\n", f"the child ended without a checkpoint: {reported!r}"
     saved = torch.load(checkpoint, weights_only=False)["step"]
-    assert 20 <= saved < 300
+    assert saved == 20
     named = model_tensors(open_model(tmp_path / "m"))
     config = autoencoder_config_for(named, width=16, depth=1)
     training = TrainingConfig(steps=300, batch_size=4)
@@ -443,3 +451,52 @@ def test_recipes_without_weights_are_compared_with_weight_averaging(pair, tmp_pa
     report = merged_ok(run_yaml(recipe, tmp_path, tmp_path / "out"), tmp_path / "out")
     assert report["weight_average"]["test_loss"] > 0
     assert report["noise_floor"] is None  # evaluated, without a second autoencoder (FAST)
+
+
+# ---- a damaged cache: computed again, never a traceback -------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text[: len(text) // 2], encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_a_damaged_cache_is_computed_again(pair, tmp_path, caplog):
+    """Truncated preparation and report records, then a missing and a truncated training.json
+    of the cached autoencoder: each rerun warns, computes the damaged entry again and writes
+    the same merged weights as the first run."""
+    cache = tmp_path / "cache"
+    path = tmp_path / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe_for(*pair)))
+
+    def run(name: str) -> bytes:
+        out = tmp_path / name
+        args = [str(path), str(out), "--quiet", "--lmc-cache", str(cache)]
+        result = CliRunner().invoke(mergekit_yaml_main, args)
+        merged_ok(result, out)
+        return (out / "model.safetensors").read_bytes()
+
+    first = run("first")
+    (preparation,) = cache.glob("ls_merge/*/preparation.json")
+    (report,) = cache.glob("ls_merge/measurements/*/ls_report.json")
+    (training,) = cache.glob("ls_merge/autoencoders/*/training.json")
+    damages = {
+        "records": lambda: (_truncate(preparation), _truncate(report)),
+        "missing": lambda: (_truncate(preparation), training.unlink()),
+        "truncated": lambda: (_truncate(preparation), _truncate(training)),
+    }
+    for name, damage in damages.items():
+        damage()
+        caplog.clear()
+        assert run(name) == first, name
+        warned = " | ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert f"cache entry {preparation.parent} is damaged" in warned, warned
+        if name == "records":
+            assert f"cache entry {report.parent} is damaged" in warned, warned
+        else:
+            assert f"cached autoencoder {training.parent} is damaged" in warned, warned
+        assert json.loads(preparation.read_text())["autoencoder"]["record"]
+        assert json.loads(training.read_text())["steps"] == FAST["steps"]
+        assert json.loads(report.read_text())["merged"]
+    assert not list(cache.rglob(".*partial-*"))

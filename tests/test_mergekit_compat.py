@@ -1,14 +1,11 @@
 """``lmc-mergekit-yaml`` as a drop-in for ``mergekit-yaml``: built-in recipes (modelled on
 mergekit's own examples) give bit-identical outputs, relative paths work wherever a recipe
-names a model, the card carries the recipe as written, and plain mergekit refuses the
-plugin's methods in one line."""
+names a model, the card carries the recipe as written, and mergekit's own merge refuses the
+plugin's methods on inputs their pre-merge pass did not prepare, in one line."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -186,35 +183,27 @@ def plugin_recipe(workdir: Path, tmp_path: Path, method: str) -> Path:
     return write(tmp_path, "plugin", recipe)
 
 
-@pytest.mark.slow
-def test_plain_mergekit_yaml_refuses_plugin_methods_in_one_line(workdir, tmp_path):
-    """The real ``mergekit-yaml`` process, with the plugin imported (mergekit has no plugin
-    entry point): one line, no traceback, no output folder."""
+@pytest.mark.parametrize("method", ["lmc_dm", "subclone_compensate", "ls_merge"])
+def test_mergekit_alone_refuses_unprepared_inputs_of_a_plugin_method(workdir, tmp_path, method):
+    """mergekit's own run_merge, under the routing that gives plugin recipes their pre-merge
+    pass, refuses raw inputs in one line before it writes anything."""
+    import inspect
+
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    from lmc_mergekit.plugin.merge_methods import PluginOnly
+
     out = tmp_path / "out"
-    code = "import lmc_mergekit.plugin; from mergekit.scripts.run_yaml import main; main()"
-    path = plugin_recipe(workdir, tmp_path, "lmc_dm")
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(path), str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    config = MergeConfiguration.model_validate(
+        yaml.safe_load(plugin_recipe(workdir, tmp_path, method).read_text())
     )
-    assert done.returncode == 1
-    # mergekit's own warnings may come first; the refusal is one line, with no traceback.
-    assert "Traceback" not in done.stderr, done.stderr
-    error = done.stderr.strip().splitlines()[-1]
-    assert error.startswith("Error: ") and "lmc-mergekit-yaml" in error and "lmc_dm" in error
-    assert not out.exists()
-
-
-@pytest.mark.parametrize("method", ["subclone_compensate", "ls_merge"])
-def test_every_plugin_method_refuses_plain_mergekit_before_writing(workdir, tmp_path, method):
-    out = tmp_path / "out"
-    path = plugin_recipe(workdir, tmp_path, method)
-    result = CliRunner().invoke(mergekit_yaml, [str(path), str(out), "--quiet"])
-    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
-    assert f"{method} is an lmc-mergekit method" in result.output.strip().splitlines()[-1]
-    assert not out.exists()
+    with pytest.raises(PluginOnly) as error:
+        inspect.unwrap(run_merge)(config, str(out), MergeOptions(quiet=True))
+    message = error.value.format_message()
+    assert f"{method}'s pre-merge pass" in message and "\n" not in message
+    assert not (out / "config.json").exists() and not list(out.glob("*.safetensors"))
 
 
 def test_plugin_recipes_take_relative_paths_wherever_a_model_is_named(workdir, monkeypatch):

@@ -22,7 +22,7 @@ from tokenizer_helpers import model_with_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.passes.device import pass_device, with_default_device
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
-from lmc_mergekit.plugin.pipeline import run_recipe_file
+from lmc_mergekit.plugin.pipeline import run_recipe
 
 ALIGN = {"steps": 0, "eval_sequences": 8, "points": 3}
 
@@ -60,7 +60,7 @@ def test_hub_ids_resolve_from_the_cache_offline_and_the_card_names_them(hub, tmp
     """--transformers-cache names the cache; the pass's inputs are the commits' snapshots."""
     recipe = hub_recipe("org/model-a", f"org/model-b@{commit_id(2)}")
     options = MergeOptions(quiet=True, transformers_cache=str(hub))
-    out = run_recipe_file(write(tmp_path, recipe), tmp_path / "out", options, tmp_path / "c")
+    out = run_recipe(write(tmp_path, recipe), tmp_path / "out", options, tmp_path / "c")
     report = yaml.safe_load((out / "lmc_report.json").read_text())
     snapshots = [Path(path) for path in report["inputs"]]
     assert [p.name for p in snapshots] == [commit_id(1), commit_id(2)]
@@ -81,12 +81,12 @@ def test_prepared_inputs_are_keyed_by_the_resolved_commit(hub, tmp_path):
     options = MergeOptions(quiet=True, transformers_cache=str(cache))
     recipe = write(tmp_path, hub_recipe("org/model-a", f"org/model-b@{commit_id(2)}"))
     lmc = tmp_path / "lmc"
-    run_recipe_file(recipe, tmp_path / "one", options, lmc)
-    run_recipe_file(recipe, tmp_path / "two", options, lmc)
+    run_recipe(recipe, tmp_path / "one", options, lmc)
+    run_recipe(recipe, tmp_path / "two", options, lmc)
     assert len(list((lmc / "lmc_dm").glob("*/preparation.json"))) == 1
     new = model_with_tokenizer(tmp_path / "a3", seed=3)
     publish(cache, "org/model-a", new, commit_id(3))
-    run_recipe_file(recipe, tmp_path / "three", options, lmc)
+    run_recipe(recipe, tmp_path / "three", options, lmc)
     entries = list((lmc / "lmc_dm").glob("*/preparation.json"))
     assert len(entries) == 2
     report = yaml.safe_load((tmp_path / "three" / "lmc_report.json").read_text())
@@ -105,7 +105,7 @@ def test_a_model_missing_from_the_cache_offline_is_one_line(hub, tmp_path):
     assert "HF_HUB_OFFLINE" in message and not out.exists()
     # Offline, a revision the cache lacks is the same: nothing to resolve it with.
     with pytest.raises(LmcError, match=r"model-b@no-such-branch' is not in the Hugging Face"):
-        run_recipe_file(
+        run_recipe(
             write(tmp_path, hub_recipe("org/model-a", "org/model-b@no-such-branch")),
             tmp_path / "o2",
             MergeOptions(quiet=True, transformers_cache=str(hub)),
@@ -114,10 +114,11 @@ def test_a_model_missing_from_the_cache_offline_is_one_line(hub, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_console_script_reads_the_default_cache_from_the_environment(hub, tmp_path):
-    """The real ``lmc-mergekit-yaml`` process with HF_HUB_CACHE and HF_HUB_OFFLINE set, as a
-    user with an offline machine runs it."""
-    script = Path(sys.executable).with_name("lmc-mergekit-yaml")
+@pytest.mark.parametrize("command", ["lmc-mergekit-yaml", "mergekit-yaml"])
+def test_the_console_script_reads_the_default_cache_from_the_environment(hub, tmp_path, command):
+    """The real ``lmc-mergekit-yaml`` and plain ``mergekit-yaml`` processes with HF_HUB_CACHE
+    and HF_HUB_OFFLINE set, as a user with an offline machine runs the README's first recipe."""
+    script = Path(sys.executable).with_name(command)
     recipe = write(tmp_path, hub_recipe("org/model-a", f"org/model-b@{commit_id(2)}"))
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     env["LMC_MERGEKIT_CACHE"] = str(tmp_path / "lmc")
@@ -163,7 +164,7 @@ def test_lora_inputs_are_merged_as_mergekit_merges_them(tmp_path):
     }
     lora_cache = tmp_path / "lora-cache"
     options = MergeOptions(quiet=True, lora_merge_cache=str(lora_cache))
-    out = run_recipe_file(write(tmp_path, recipe), tmp_path / "out", options, tmp_path / "c")
+    out = run_recipe(write(tmp_path, recipe), tmp_path / "out", options, tmp_path / "c")
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     expected = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().state_dict()
     merged = load_file(out / "model.safetensors")
@@ -226,7 +227,7 @@ def test_a_target_config_may_be_a_hub_id(hub, tmp_path):
         "subclone": {"target_config": "org/small", "evaluate": False, "seq_len": 32},
     }
     options = MergeOptions(quiet=True, transformers_cache=str(cache))
-    out = run_recipe_file(write(tmp_path, recipe), tmp_path / "out", options, tmp_path / "c")
+    out = run_recipe(write(tmp_path, recipe), tmp_path / "out", options, tmp_path / "c")
     written = json.loads((out / "config.json").read_text())
     assert written["hidden_size"] == 24 and written["intermediate_size"] == 40
     assert "target_config: org/small" in (out / "README.md").read_text()

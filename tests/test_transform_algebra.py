@@ -107,3 +107,37 @@ def test_transform_command_refuses_a_file_for_another_model(model_dirs, tmp_path
     assert result.exit_code == 1
     assert "hidden size" in result.output and len(result.output.strip().splitlines()) == 1
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("part", ["rotation", "layer 1 QK maps", "scale"])
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+def test_transform_command_refuses_a_file_with_nan_before_writing(
+    model_dirs, tmp_path, part, inverse
+):
+    """A saved transform with one NaN (a damaged file, a diverged run) is refused when the file
+    is read, naming the part: never applied, self-checked and found wrong after writing."""
+    llama = model_dirs["llama"]
+    transform = random_transform(open_model(llama).spec, 0)
+    if part == "scale":
+        transform = replace(transform, scale=float("nan"))
+    elif part == "rotation":
+        rotation = transform.rotation.clone()
+        rotation[3, 5] = float("nan")
+        transform = replace(transform, rotation=rotation)
+    else:
+        qk = transform.layers[1].qk.clone()
+        qk[0, 1, 1] = float("inf")
+        layers = list(transform.layers)
+        layers[1] = replace(layers[1], qk=qk)
+        transform = replace(transform, layers=tuple(layers))
+    path = tmp_path / "t.safetensors"
+    save_transform(transform, path)
+    out = tmp_path / "out"
+    args = ["transform", str(llama), str(path), str(out)] + (["--inverse"] if inverse else [])
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert f"NaN or Inf values in the transform's {part}" in line, line
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    with pytest.raises(LmcError, match=f"transform's {part};"):
+        transform.check_fits(open_model(llama).spec)

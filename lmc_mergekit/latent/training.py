@@ -5,11 +5,17 @@ so that the latents learn to carry the weights; then the variational objective w
 weight, so that the latent space becomes smooth enough to interpolate and sample in. The
 reconstruction loss is a Huber loss on normalised weights: quadratic near zero, linear for the
 rare large weights, which an over-regularised Gaussian fit would flatten.
+
+A non-finite loss rolls the training back to its last snapshot with half the learning rate,
+as every training loop of the tool does (:mod:`lmc_mergekit.runtime.rollback`); only
+non-finite losses count, since the loss jumps by design when the KL term switches on.
 """
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,8 +26,13 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import AutoencoderConfig, WeightAutoencoder, Windows
 from lmc_mergekit.latent.chunks import NamedTensor, to_chunks
-from lmc_mergekit.runtime.resumable import load_state, save_state
+from lmc_mergekit.runtime.rollback import TrainingState, rollbacks_for_json
 from lmc_mergekit.runtime.schedule import warmup_cosine
+
+#: Rollbacks after a non-finite loss before the training stops with an error.
+MAX_ROLLBACKS = 3
+#: Bumped when the checkpoint's contents change: an older checkpoint is not resumed.
+STATE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -53,11 +64,13 @@ def train_autoencoder(
     progress: bool = True,
     checkpoint: Path | None = None,
     checkpoint_every: int = 200,
+    on_checkpoint: Callable[[int], None] | None = None,
 ) -> tuple[WeightAutoencoder, dict]:
     """Train an autoencoder of ``config`` on every window of every tensor in ``tensors``;
     return it (in eval mode) and a record of the run (losses per stage, wall time,
-    throughput). With ``checkpoint``, the state is saved there every ``checkpoint_every``
-    steps and an interrupted run resumes from it (the file is removed at the end)."""
+    throughput, rollbacks). Every ``checkpoint_every`` steps the state is kept as a rollback
+    target and, with ``checkpoint``, saved there, then ``on_checkpoint(step)`` is called; an
+    interrupted run resumes from the file (which is removed at the end)."""
     if not tensors:
         raise LmcError("no tensors to train the weight autoencoder on")
     torch.manual_seed(training.seed)
@@ -66,55 +79,53 @@ def train_autoencoder(
     generator = torch.Generator().manual_seed(training.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=0.0)
     warmup = max(1, training.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, training.steps, warmup)
-    )
     first_stage = round(training.autoencoder_fraction * training.steps)
-    history, started, start = [], time.perf_counter(), 0
-    identity = {"config": config.to_json(), "training": asdict(training)}
-    state = load_state(checkpoint, identity)  # None also for a checkpoint of another run
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        generator.set_state(state["generator"])
-        torch.set_rng_state(state["rng"])
-        history, start = state["history"], state["step"]
+    started = time.perf_counter()
+    identity = {"config": config.to_json(), "training": asdict(training), "state": STATE_FORMAT}
+    state = _AutoencoderState(model, optimizer, generator, training.lr)
+    start = state.load(checkpoint, identity) or 0  # None also for a checkpoint of another run
+    state.keep()
     bar = tqdm(
-        range(start, training.steps),
+        total=training.steps,
+        initial=start,
         desc="training the weight autoencoder",
         disable=not progress,
-        initial=start,
-        total=training.steps,
     )
-    for step in bar:
+    while state.step < training.steps:
+        step = state.step
         variational = step >= first_stage
+        for group in optimizer.param_groups:
+            group["lr"] = training.lr * warmup_cosine(step, training.steps, warmup) * state.lr_scale
         picks = torch.randint(len(kinds), (training.batch_size,), generator=generator)
         picks = picks.to(kinds.device)
         reconstruction, kl = _batch_loss(
             model, bank[picks], kinds[picks], layers[picks], variational, training
         )
         loss = reconstruction + (training.beta * kl if variational else 0.0)
+        value = loss.item()
+        if state.diverged(value):
+            state.roll_back(step, value)
+            bar.n = state.step
+            bar.refresh()
+            continue
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        schedule.step()
-        history.append((reconstruction.item(), kl.item()))
-        if step % 10 == 0 or step == training.steps - 1:
-            bar.set_postfix(huber=f"{history[-1][0]:.4f}", kl=f"{history[-1][1]:.2f}")
-        if checkpoint is not None and (step + 1) % checkpoint_every == 0:
-            snapshot = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(),
-                "generator": generator.get_state(),
-                "rng": torch.get_rng_state(),
-                "history": history,
-                "step": step + 1,
-            }
-            save_state(checkpoint, identity, snapshot)
+        state.history.append((reconstruction.item(), kl.item()))
+        state.accept(value)
+        bar.update()
+        if step % 10 == 0 or state.step == training.steps:
+            bar.set_postfix(huber=f"{state.history[-1][0]:.4f}", kl=f"{state.history[-1][1]:.2f}")
+        if state.step % checkpoint_every == 0:
+            snapshot = state.keep()
+            if checkpoint is not None:
+                state.save(checkpoint, identity, snapshot)
+            if on_checkpoint is not None:
+                on_checkpoint(state.step)
+    bar.close()
     seconds = time.perf_counter() - started
+    history = state.history
     chunks_per_window = float(bank.valid.sum()) / len(kinds)
     model.eval()
     record = {
@@ -131,10 +142,43 @@ def train_autoencoder(
             (training.steps - start) * training.batch_size * chunks_per_window / seconds, 1
         ),
         "resumed_at": start,
+        "rollbacks": rollbacks_for_json(state.rollbacks),
     }
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)
     return model, record
+
+
+class _AutoencoderState(TrainingState):
+    """The autoencoder training's state: the model, the optimiser, both random generators (the
+    batches' and the variational noise's) and the per-step (Huber, KL) history."""
+
+    def __init__(self, model, optimizer, generator: torch.Generator, lr: float):
+        super().__init__(
+            "autoencoder training",
+            lr,
+            MAX_ROLLBACKS,
+            "set a smaller latent lr",
+            explode_factor=None,
+        )
+        self.model, self.optimizer, self.generator = model, optimizer, generator
+        self.history: list[tuple[float, float]] = []
+
+    def capture(self) -> dict:
+        return {
+            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "generator": self.generator.get_state(),
+            "rng": torch.get_rng_state(),
+            "history": list(self.history),
+        }
+
+    def apply(self, parts: dict) -> None:
+        self.model.load_state_dict(parts["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(parts["optimizer"]))
+        self.generator.set_state(parts["generator"])
+        torch.set_rng_state(parts["rng"])
+        self.history = list(parts["history"])
 
 
 def _window_bank(model, tensors, device) -> tuple[Windows, torch.Tensor, torch.Tensor]:

@@ -6,6 +6,8 @@ moves each other one onto it; learned matching then trains continuous symmetries
 (the first too, unless one-sided) on calibration sequences, starting from the weight-matched
 models. With a ``state_dir``, weight matching's result is kept there so that a run interrupted
 during learning resumes without matching again (learned matching checkpoints itself there too).
+Under several processes weight matching runs in the main process and its result reaches the
+others.
 """
 
 from __future__ import annotations
@@ -72,11 +74,17 @@ def align(
     processes = processes or Processes()
     started = time.perf_counter()
     runner = None
-    if config.learning is not None:  # before matching: a model that cannot learn fails first
-        absorbed = apply_transform(views[0], Transform(views[0].spec.num_layers, absorb_norms=True))
-        runner = block_runner(views[0], absorbed.spec, torch.device(device), trust_remote_code)
-    keep = state_dir if config.learning is not None and processes.is_main else None
-    matched, matching = match_all(views, config, state_dir, keep, progress, device)
+    # Before matching: a model that cannot learn fails first (in every process, or it stops all).
+    with processes.together():
+        if config.learning is not None:
+            absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
+            absorbed = apply_transform(views[0], absorb)
+            runner = block_runner(views[0], absorbed.spec, torch.device(device), trust_remote_code)
+    keep = state_dir if config.learning is not None else None
+    # Once, in the main process (the only one that keeps it); every process gets its result.
+    matched, matching = processes.from_main(
+        lambda: match_all(views, config, state_dir, keep, progress, device)
+    )
     alignment = Alignment(matched, matched, matching)
     alignment.seconds["matching"] = time.perf_counter() - started
     if config.learning is None:

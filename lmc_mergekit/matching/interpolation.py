@@ -8,9 +8,11 @@ symmetry with the same differentiable actions that write checkpoints, mixes them
 ``λ`` and runs the result (a block through a one-layer stock ``transformers`` module,
 :class:`~lmc_mergekit.models.block_runner.BlockRunner`). Each block runs under activation
 checkpointing, so a step keeps the residual stream between blocks, not a mixed model: memory
-is the endpoints plus one block's work. On the CPU the endpoints are held in their checkpoint's
-dtype (a bf16 checkpoint's values exactly, in half the memory of float32) and a part runs in
-float32; the embeddings move only the rows the batch uses, never a whole vocabulary.
+is the endpoints plus one block's work. The precision is a parameter (:func:`autocast_dtype`),
+whatever the device: in float32 the endpoints are held in their checkpoint's dtype (a bf16
+checkpoint's values exactly, in half the memory of float32) and a part runs in float32; under
+bf16 autocast (the default on a GPU, and the CPU twin the tests run) they are held in bf16 and
+autocast casts. The embeddings move only the rows the batch uses, never a whole vocabulary.
 
 Under several processes every part module is sharded with torch's FSDP (``fully_shard``): each
 process holds a ``1/world_size`` slice of every endpoint, and a part's forward (and its
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,13 +50,25 @@ from lmc_mergekit.symmetry.actions import transform_block, transform_embeddings,
 from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 from lmc_mergekit.symmetry.transform import Transform
 
+#: How learned matching computes: ``bf16`` (under ``torch.autocast``, endpoints held in bf16),
+#: ``float32``, or ``auto`` (bf16 on a GPU, float32 elsewhere).
+Precision = Literal["auto", "bf16", "float32"]
 
-def endpoint_dtype(device: torch.device, parts: list | None = None) -> torch.dtype:
-    """How endpoints are held: bfloat16 on a GPU (learning runs under bf16 autocast there);
-    elsewhere in the dtype the ``parts`` share (a bf16 checkpoint's: exact, and half the
+
+def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
+    """The dtype the mixes run in under ``torch.autocast`` on ``device`` (None: float32, no
+    autocast). Only ``auto`` looks at the device; bf16 autocast runs on the CPU as well."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "float32"
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def endpoint_dtype(autocast: torch.dtype | None, parts: list | None = None) -> torch.dtype:
+    """How endpoints are held: in the ``autocast`` dtype when the mixes run under autocast;
+    otherwise in the dtype the ``parts`` share (a bf16 checkpoint's: exact, and half the
     memory of float32; they run in float32), float32 if they have several."""
-    if device.type == "cuda":
-        return torch.bfloat16
+    if autocast is not None:
+        return autocast
     dtypes = {t.dtype for part in parts or [] for _, t in iter_tensors(part)}
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
@@ -63,11 +77,12 @@ class EndpointPart(nn.Module):
     """One part (the embeddings, a block or the head) of every endpoint, as frozen parameters:
     the unit FSDP shards and gathers."""
 
-    def __init__(self, parts: list, device: torch.device):
+    def __init__(self, parts: list, device: torch.device, autocast: torch.dtype | None = None):
         super().__init__()
-        dtype = endpoint_dtype(device, parts)
-        # Held in bf16 on the CPU, a part runs in float32 (on a GPU autocast takes bf16).
-        self.compute_dtype = None if device.type == "cuda" else torch.float32
+        dtype = endpoint_dtype(autocast, parts)
+        # Without autocast a part runs in float32 whatever it is held in; under autocast it
+        # runs as held and autocast casts.
+        self.compute_dtype = None if autocast is not None else torch.float32
         # The parts' structure, without their data, to rebuild them from the parameters.
         self.templates = [map_tensors(part, lambda t: t.to("meta")) for part in parts]
         for index, part in enumerate(parts):
@@ -84,7 +99,7 @@ class EndpointPart(nn.Module):
         return compute(parts, *inputs)
 
     def computed(self, parts: list) -> list:
-        """``parts`` in the dtype they run in (float32 on the CPU; as held on a GPU)."""
+        """``parts`` in the dtype they run in (float32; as held under autocast)."""
         if self.compute_dtype is None:
             return parts
         return [map_tensors(part, lambda t: t.to(self.compute_dtype)) for part in parts]
@@ -96,7 +111,9 @@ def _key(index: int, name: str) -> str:
 
 class InterpolationObjective(nn.Module):
     """Frozen endpoints, one :class:`LearnedSymmetry` per endpoint that learns (``None`` for an
-    endpoint held fixed), and the runner that evaluates their mix block by block."""
+    endpoint held fixed), and the runner that evaluates their mix block by block on its device.
+    ``autocast``: the dtype the caller runs the forward under ``torch.autocast`` in (None:
+    float32), which decides how the endpoints are held (:func:`endpoint_dtype`)."""
 
     def __init__(
         self,
@@ -104,6 +121,7 @@ class InterpolationObjective(nn.Module):
         symmetries: list[LearnedSymmetry | None],
         runner: BlockRunner,
         processes: Processes | None = None,
+        autocast: torch.dtype | None = None,
     ):
         super().__init__()
         self.spec, self.runner = endpoints[0].spec, runner
@@ -113,7 +131,7 @@ class InterpolationObjective(nn.Module):
         mesh = processes.mesh(runner.device)
 
         def part(parts: list) -> EndpointPart:
-            module = EndpointPart(parts, runner.device)
+            module = EndpointPart(parts, runner.device, autocast)
             if mesh is not None:
                 from torch.distributed.fsdp import fully_shard
 

@@ -10,15 +10,15 @@ state and the step are written atomically to ``state_dir``; a rerun resumes from
 batch and ``λ`` of step ``k`` come from a generator seeded by ``(seed, k)``, so a resumed run
 draws what an uninterrupted one would and ends with the same result. A non-finite or exploding
 loss rolls back to the last checkpoint with half the learning rate; after ``max_rollbacks`` the
-run stops with an error.
+run stops with an error (:mod:`lmc_mergekit.runtime.rollback`, shared by every training loop).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,11 +28,15 @@ import torch
 from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.matching.interpolation import InterpolationObjective
+from lmc_mergekit.matching.interpolation import (
+    InterpolationObjective,
+    Precision,
+    autocast_dtype,
+)
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import ModelView
 from lmc_mergekit.runtime.distributed import Processes
-from lmc_mergekit.runtime.resumable import load_state, save_state
+from lmc_mergekit.runtime.rollback import TrainingState
 from lmc_mergekit.runtime.schedule import warmup_cosine
 from lmc_mergekit.symmetry.group import symmetry_group
 from lmc_mergekit.symmetry.parametrize import (
@@ -44,12 +48,10 @@ from lmc_mergekit.symmetry.parametrize import (
 from lmc_mergekit.symmetry.transform import Transform
 
 Sampler = Literal["uniform", "band", "half"]
+LOG = logging.getLogger(__name__)
 CHECKPOINT_FILE = "learned_matching.pt"
 # ``band`` keeps λ within this distance of the centre (for two models: U(0.4, 0.6)).
 BAND = 0.2
-# A step whose loss exceeds this multiple of the first step's counts as exploding.
-EXPLODE_FACTOR = 2.0
-KEPT_SNAPSHOTS = 3
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class LearningConfig:
     max_rollbacks: int = 3
     #: Keep tied embeddings tied (the residual map then stays weight matching's).
     keep_tie: bool = False
+    #: bf16 autocast or float32; ``auto``: bf16 on a GPU, float32 elsewhere.
+    precision: Precision = "auto"
 
 
 @dataclass
@@ -166,8 +170,9 @@ def learn_symmetries(
         )
         for index in range(len(endpoints))
     ]
-    objective = InterpolationObjective(endpoints, learned, runner, processes)
     device = runner.device
+    autocast = autocast_dtype(config.precision, device)
+    objective = InterpolationObjective(endpoints, learned, runner, processes, autocast)
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
     if not params:
@@ -180,12 +185,11 @@ def learn_symmetries(
     for param in params:  # every process reduces the same gradient list, even after a failure
         param.grad = torch.zeros_like(param)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    state = _State(objective, optimizer)
+    state = _State(objective, optimizer, config)
     checkpoint = None if state_dir is None else state_dir / CHECKPOINT_FILE
-    resumed_from = state.load(checkpoint, config) if checkpoint else None
+    resumed_from = state.load(checkpoint, asdict(config)) if checkpoint else None
     state.keep()
     start = time.perf_counter()
-    autocast = device.type == "cuda"
     bar = tqdm(
         total=config.steps,
         initial=state.step,
@@ -201,7 +205,8 @@ def learn_symmetries(
             group["lr"] = learning_rate(step, config) * state.lr_scale
         optimizer.zero_grad(set_to_none=False)
         try:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            # One code path: the precision is a parameter (bf16 autocast runs on the CPU too).
+            with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
                 loss = objective(weights, processes.shard(batch).to(device))
             loss.backward()
             reduced = loss.detach().clone()
@@ -210,19 +215,20 @@ def learn_symmetries(
         processes.mean([reduced] + [p.grad for p in params])
         value = float(reduced)
         if state.diverged(value):
-            state.roll_back(step, value, config)
+            state.roll_back(step, value)
             bar.n = state.step
             bar.refresh()
             continue
         optimizer.step()
-        state.step += 1
-        state.losses.append(value)
+        state.accept(value)
         bar.update()
         bar.set_postfix(loss=f"{value:.4f}", lr=f"{group['lr']:.2e}")
         if state.step % config.checkpoint_every == 0 or state.step == config.steps:
             snapshot = state.keep()
             if checkpoint is not None and processes.is_main:
-                state.save(checkpoint, snapshot, config)
+                state.save(checkpoint, asdict(config), snapshot)
+                # A line a supervisor (or a test) can act on: safe to stop from here on.
+                LOG.info("learned matching: step %d checkpointed", state.step)
             if on_checkpoint is not None:
                 on_checkpoint(state.step, _transforms(learned, spec.num_layers, config.keep_tie))
     bar.close()
@@ -253,71 +259,26 @@ def _transforms(
     ]
 
 
-class _State:
-    """What a checkpoint holds, the last few kept in memory, and rolling back to one."""
+class _State(TrainingState):
+    """Learned matching's training state: the symmetries' parameters and the optimiser."""
 
-    def __init__(self, objective: InterpolationObjective, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self,
+        objective: InterpolationObjective,
+        optimizer: torch.optim.Optimizer,
+        config: LearningConfig,
+    ):
+        super().__init__(
+            "learned matching", config.lr, config.max_rollbacks, "set a smaller alignment lr"
+        )
         self.objective, self.optimizer = objective, optimizer
-        self.step = 0
-        self.lr_scale = 1.0
-        self.losses: list[float] = []
-        self.rollbacks: list[dict] = []
-        # One taken just before a blow-up may already hold bad values, so a rollback that fails
-        # again goes one further back.
-        self.kept: deque[dict] = deque(maxlen=KEPT_SNAPSHOTS)
 
-    def keep(self) -> dict:
-        """Take a snapshot and keep it as a rollback target."""
-        self.kept.append(self.snapshot())
-        return self.kept[-1]
-
-    def snapshot(self) -> dict:
+    def capture(self) -> dict:
         return {
-            "step": self.step,
-            "lr_scale": self.lr_scale,
-            "losses": list(self.losses),
-            "rollbacks": list(self.rollbacks),
             "symmetries": {k: v.clone() for k, v in self.objective.symmetries.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
-    def restore(self, snapshot: dict) -> None:
-        self.step = snapshot["step"]
-        self.lr_scale = snapshot["lr_scale"]
-        self.losses = list(snapshot["losses"])
-        self.rollbacks = list(snapshot["rollbacks"])
-        self.objective.symmetries.load_state_dict(snapshot["symmetries"])
-        self.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
-
-    def diverged(self, loss: float) -> bool:
-        if not math.isfinite(loss):
-            return True
-        return bool(self.losses) and loss > EXPLODE_FACTOR * self.losses[0]
-
-    def roll_back(self, step: int, loss: float, config: LearningConfig) -> None:
-        """Back to the last kept snapshot (one further back if that one failed already) with
-        half the learning rate; an error after too many tries."""
-        if self.rollbacks and self.rollbacks[-1]["back_to"] == self.kept[-1]["step"]:
-            if len(self.kept) > 1:
-                self.kept.pop()
-        saved = self.kept[-1]
-        rollbacks = [*self.rollbacks, {"step": step, "loss": loss, "back_to": saved["step"]}]
-        if len(rollbacks) > config.max_rollbacks:
-            raise LmcError(
-                f"learned matching diverged {len(rollbacks)} times (loss {loss:.3g} at step "
-                f"{step}) even after lowering the learning rate to {self.lr_scale * config.lr:.2e}"
-                "; set a smaller alignment lr"
-            )
-        scale = self.lr_scale * 0.5
-        self.restore(saved)
-        self.rollbacks, self.lr_scale = rollbacks, scale
-
-    def save(self, path: Path, snapshot: dict, config: LearningConfig) -> None:
-        save_state(path, asdict(config), snapshot)
-
-    def load(self, path: Path, config: LearningConfig) -> int | None:
-        saved = load_state(path, asdict(config))  # None also when the settings changed
-        if saved is None:
-            return None
-        self.restore(saved)
-        return self.step
+    def apply(self, parts: dict) -> None:
+        self.objective.symmetries.load_state_dict(parts["symmetries"])
+        self.optimizer.load_state_dict(copy.deepcopy(parts["optimizer"]))

@@ -2,17 +2,21 @@
 
 Trained autoencoders are kept in the method's cache under a key of everything that trained them
 (sizes, training settings, seed, package version and the fingerprints of the training models),
-so a second recipe over the same models reuses one instead of training again.
+so a second recipe over the same models reuses one instead of training again. A cached one
+that cannot be read (a missing or truncated ``training.json``, a damaged weights file) is
+removed with a warning and trained again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, load_autoencoder, save_autoencoder
@@ -20,10 +24,13 @@ from lmc_mergekit.latent.chunks import NamedTensor
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.layout import Piece
 from lmc_mergekit.runtime.keys import content_key, fingerprint
-from lmc_mergekit.runtime.publish import staged_folder
+from lmc_mergekit.runtime.publish import discard, staged_folder
 
 AUTOENCODER_FILE = "autoencoder.safetensors"
 RECORD_FILE = "training.json"
+#: What reading a damaged or foreign autoencoder file or record raises.
+UNREADABLE = (KeyError, RuntimeError, OSError, ValueError, SafetensorError)
+LOG = logging.getLogger(__name__)
 
 
 def obtain_autoencoder(
@@ -66,9 +73,9 @@ def obtain_autoencoder(
     }
     key = content_key(payload)
     folder = cache_dir / "autoencoders" / key
-    if (folder / AUTOENCODER_FILE).is_file():
-        record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
-        model = load_autoencoder(folder / AUTOENCODER_FILE, device)
+    cached = _read_cached(folder, device)
+    if cached is not None:
+        model, record = cached
         return folder / AUTOENCODER_FILE, model, {**record, "source": "cache"}
     training_tensors = tensors()
     config = autoencoder_config_for(training_tensors, **sizes)
@@ -95,6 +102,21 @@ def obtain_autoencoder(
     return folder / AUTOENCODER_FILE, model, {**record, "source": "trained"}
 
 
+def _read_cached(folder: Path, device: torch.device) -> tuple[WeightAutoencoder, dict] | None:
+    """The autoencoder cached in ``folder`` and its training record; None when there is none,
+    or when either cannot be read (the folder is then removed, to be trained again)."""
+    if not (folder / AUTOENCODER_FILE).is_file():
+        return None
+    try:
+        record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+        return load_autoencoder(folder / AUTOENCODER_FILE, device), record
+    except UNREADABLE as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        LOG.warning("cached autoencoder %s is damaged (%s); training it again", folder, reason)
+        discard(folder)
+        return None
+
+
 def _load_given(path: Path, device: torch.device) -> WeightAutoencoder:
     if not path.is_file():
         raise LmcError(
@@ -103,7 +125,7 @@ def _load_given(path: Path, device: torch.device) -> WeightAutoencoder:
         )
     try:
         return load_autoencoder(path, device)
-    except (KeyError, RuntimeError, OSError, ValueError) as error:
+    except UNREADABLE as error:
         raise LmcError(
             f"latent: {path.name} is not a weight autoencoder written by lmc-mergekit "
             f"({str(error).splitlines()[0][:120]}); drop autoencoder: to train one"

@@ -281,16 +281,18 @@ class AlignmentReport(Report):
 def prepare(ctx: PassContext) -> AlignmentPreparation:
     """Write one aligned, self-checked checkpoint per input (only the main process writes)."""
     settings: AlignmentSettings = ctx.settings
-    views = ctx.open_inputs()
-    if len(views) < 2:
-        raise LmcError("lmc_dm merges two or more models; the recipe lists one")
-    config = settings.align_config(views[0].spec.tied_embeddings)
-    ctx.load_test()  # data before any heavy work
-    calibration = None
-    if config.learning is not None:
-        calibration = load_recipe_split(
-            ctx.inputs, settings, "train", settings.calibration_sequences, "use steps: 0"
-        )
+    # Each process reads on its own: one that fails stops every one with its message.
+    with ctx.processes.together():
+        views = ctx.open_inputs()
+        if len(views) < 2:
+            raise LmcError("lmc_dm merges two or more models; the recipe lists one")
+        config = settings.align_config(views[0].spec.tied_embeddings)
+        ctx.load_test()  # data before any heavy work
+        calibration = None
+        if config.learning is not None:
+            calibration = load_recipe_split(
+                ctx.inputs, settings, "train", settings.calibration_sequences, "use steps: 0"
+            )
     alignment = align(
         views,
         config,

@@ -7,19 +7,28 @@ fingerprint of every input and dependency. ``<cache>/<method>/measurements/<key>
 report and its files; its key adds everything else the measurement depends on (all settings,
 the merge configuration, the options that change numbers), so changing only how a recipe is
 measured reuses the prepared inputs, and rerunning a recipe reuses its measurement.
+
+An entry whose record cannot be read (a truncated or hand-edited JSON file, a disk that filled
+up) is debris: it is removed with a warning and computed again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from mergekit.options import MergeOptions
+from pydantic import ValidationError
 
 from lmc_mergekit import __version__
 from lmc_mergekit.data.sources import data_fingerprint
 from lmc_mergekit.passes.base import Section
 from lmc_mergekit.runtime.keys import content_key, fingerprint
+from lmc_mergekit.runtime.publish import discard
+from lmc_mergekit.runtime.records import Record
+
+LOG = logging.getLogger(__name__)
 
 PREPARATION_FILE = "preparation.json"
 ARTEFACTS_DIR = "artefacts"
@@ -74,3 +83,20 @@ def _with_text(settings: dict) -> dict:
     if "data" not in settings:
         return settings
     return {**settings, "text": data_fingerprint(settings["data"], settings.get("field", "text"))}
+
+
+def cached_record(entry: Path, name: str, kind: type[Record]) -> bool:
+    """Whether the cache ``entry`` is complete: its record ``name`` reads as a ``kind``. An
+    entry whose record is there but unreadable is removed (with a warning), to be computed
+    again."""
+    path = entry / name
+    if not path.is_file():
+        return False
+    try:
+        kind.read(path)
+    except (OSError, UnicodeDecodeError, ValidationError) as error:
+        reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error)
+        LOG.warning("cache entry %s is damaged (%s: %s); computing it again", entry, name, reason)
+        discard(entry)
+        return False
+    return True

@@ -94,25 +94,20 @@ def mergekit_yaml_main(
     overwrite: bool,
 ) -> None:
     """Run a mergekit YAML recipe; the plugin's methods run their pre-merge pass first."""
-    from lmc_mergekit.plugin.pipeline import launcher_rank, run_recipe_file
+    from lmc_mergekit.plugin.mergekit_entry import option_given
+    from lmc_mergekit.plugin.pipeline import launcher_rank, run_recipe
 
     merge_options.apply_global_options()
-    out = run_recipe_file(
+    out = run_recipe(
         config_file,
         out_path,
         merge_options,
         lmc_cache or default_cache_dir(),
         overwrite,
-        device_given=_given(click.get_current_context(), "device", "cuda", "gpu_rich"),
+        device_given=option_given(click.get_current_context(), "device", "cuda", "gpu_rich"),
     )
     if not merge_options.quiet and launcher_rank() == 0:
         click.echo(f"merged model written to {out}")
-
-
-def _given(ctx: click.Context, *names: str) -> bool:
-    """Whether the command line set any of the options ``names`` (not their defaults)."""
-    default = click.core.ParameterSource.DEFAULT
-    return any(ctx.get_parameter_source(name) not in (default, None) for name in names)
 
 
 @click.group("lmc-mergekit")

@@ -9,7 +9,7 @@ import yaml
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.passes.lmc_dm import PLOT_FILE, AlignmentReport
-from lmc_mergekit.plugin.pipeline import run_recipe_file
+from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.runtime.publish import check_output_free
 from lmc_mergekit.zoo import build_zoo
 
@@ -102,8 +102,6 @@ def run_demo(
         + yaml.safe_dump(demo_recipe(models, align_steps), sort_keys=False),
         encoding="utf-8",
     )
-    merged = run_recipe_file(
-        recipe, out / MERGED_DIR, MergeOptions(quiet=quiet), cache_dir, overwrite
-    )
+    merged = run_recipe(recipe, out / MERGED_DIR, MergeOptions(quiet=quiet), cache_dir, overwrite)
     report = AlignmentReport.read(merged / AlignmentReport.file_name)
     return DemoResult(recipe=recipe, merged=merged, report=report)

@@ -1,9 +1,10 @@
 """The mergekit merge methods that combine what the plugin's pre-merge passes prepared.
 
 Each refuses inputs its own pass did not prepare (they carry a provenance mark, see
-:mod:`lmc_mergekit.runtime.provenance`): run through plain mergekit on raw checkpoints it would
-silently compute a meaningless merge. The refusal comes while mergekit plans the merge, before
-it writes anything, as a one-line click error (plain ``mergekit-yaml`` is a click command).
+:mod:`lmc_mergekit.runtime.provenance`): given raw checkpoints by anything that bypasses the
+pass (mergekit's planner called directly, its unrouted ``run_merge``) it would silently compute
+a meaningless merge. The refusal comes while mergekit plans the merge, before it writes
+anything, as a one-line click error.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class PreparedInputMerge(GroupMergeMethod):
             if isinstance(ref, ModelReference) and prepared_by(ref.model.path) != name:
                 raise PluginOnly(
                     f"{name}: input {ref.model.path} did not come out of {name}'s pre-merge "
-                    f"pass; {name} is an lmc-mergekit method: run the recipe with "
-                    "`lmc-mergekit-yaml RECIPE OUT`, not mergekit-yaml"
+                    f"pass; {name} is an lmc-mergekit method: run the recipe with mergekit-yaml, "
+                    "run_merge or lmc-mergekit-yaml, which run the pass first"
                 )
 
     def merge_group(

@@ -16,11 +16,11 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergekit.config import MergeConfiguration
-from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.errors import LmcError
@@ -33,6 +33,7 @@ from lmc_mergekit.plugin.cache import (
     ARTEFACTS_DIR,
     MEASUREMENTS_DIR,
     PREPARATION_FILE,
+    cached_record,
     measurement_key,
     preparation_key,
 )
@@ -43,10 +44,12 @@ from lmc_mergekit.plugin.inputs import (
     plugin_inputs,
     with_prepared,
 )
+from lmc_mergekit.plugin.mergekit_hooks import mergekit_run_merge, without_sections
 from lmc_mergekit.plugin.methods import PluginMethod
 from lmc_mergekit.plugin.recipe import Recipe, read_recipe
 from lmc_mergekit.plugin.resolve import LocalModels, resolve_models
 from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
+from lmc_mergekit.runtime.locks import entry_lock
 from lmc_mergekit.runtime.provenance import write_provenance
 from lmc_mergekit.runtime.publish import check_output_free, staged_folder
 from lmc_mergekit.runtime.records import Record
@@ -70,18 +73,21 @@ class Prepared:
         return self.entry / ARTEFACTS_DIR
 
 
-def run_recipe_file(
-    recipe_path: str | Path,
+def run_recipe(
+    recipe: Recipe | str | Path,
     out: str | Path,
     options: MergeOptions,
     cache_dir: Path,
     overwrite: bool = False,
     device_given: bool = True,
 ) -> Path:
-    """Run a recipe file into ``out`` (written in a staging folder, renamed on success). A
-    plugin recipe's pass runs on the GPU when there is one unless ``device_given`` (the
-    command line chose ``--device`` or ``--cuda``); ``options`` as given otherwise."""
-    recipe = read_recipe(recipe_path)
+    """Run a recipe (parsed, or the path of its file) into ``out`` (written in a staging
+    folder, renamed on success; an existing output is replaced only with ``overwrite``, and
+    kept until the new one is complete). A plugin recipe's pass runs on the GPU when there is
+    one unless ``device_given`` (the command line chose ``--device`` or ``--cuda``);
+    ``options`` as given otherwise."""
+    if not isinstance(recipe, Recipe):
+        recipe = read_recipe(recipe)
     out = Path(out).expanduser().absolute()
     cache_dir = Path(cache_dir).expanduser().absolute()
     existing = "replace" if overwrite else "refuse"
@@ -95,16 +101,18 @@ def run_recipe_file(
                     write_card(folder, recipe, out.name)
         return out
     options = with_default_device(options, device_given)
-    local = resolve_models(recipe.config, recipe.settings, options, cache_dir)
-    work = replace(recipe, config=local.config, settings=local.settings)
-    base = work.config.base_model
-    work.settings.check_inputs(
-        plugin_inputs(work.config, recipe.method.name),
-        None if base is None else model_dir(base.model.path),
-        options.trust_remote_code,
-    )
     procs = processes(pass_device(options))
     try:
+        # Every process resolves and checks the inputs itself; one that fails stops them all.
+        with procs.together():
+            local = resolve_models(recipe.config, recipe.settings, options, cache_dir)
+            work = replace(recipe, config=local.config, settings=local.settings)
+            base = work.config.base_model
+            work.settings.check_inputs(
+                plugin_inputs(work.config, recipe.method.name),
+                None if base is None else model_dir(base.model.path),
+                options.trust_remote_code,
+            )
         if not procs.is_main:  # the other processes of a launcher only help with the pass
             load_test = lazy_test_split(work)
             prepare(recipe.method, work.settings, work.config, options, cache_dir, procs, load_test)
@@ -177,7 +185,9 @@ def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> No
         update["out_shard_size"] = DEFAULT_SHARD_SIZE
     no_card = options.model_copy(update=update)
     try:
-        run_merge(expand_home(config).model_copy(deep=True), str(folder), no_card)
+        run_merge = mergekit_run_merge()
+        plain = without_sections(expand_home(config)).model_copy(deep=True)
+        run_merge(plain, str(folder), no_card)
     except LmcError:
         raise
     except (RuntimeError, ValueError, OSError) as error:
@@ -232,21 +242,26 @@ def prepare(
             load_test=load_test,
         )
 
-    if (entry / PREPARATION_FILE).is_file():
-        LOG.info("reusing prepared inputs from %s", entry)
-    elif not procs.is_main:  # helps the main process; anything it wrote would be thrown away
-        with tempfile.TemporaryDirectory(prefix="lmc-helper-") as scratch:
-            method.prepare(context(Path(scratch)))
-        return None
-    else:
-        # A concurrent run that finished first wins: its entry is as good as this one.
-        with staged_folder(entry, "keep", sweep_siblings=True, complete=PREPARATION_FILE) as work:
-            ctx = context(work)
-            preparation = method.prepare(ctx)
-            for source, folder in zip(inputs, ctx.outputs, strict=True):
-                write_provenance(folder, method.name, {"source": str(source), "cache_key": key})
-            preparation.write(work / PREPARATION_FILE)
-        shutil.rmtree(state_dir, ignore_errors=True)
+    with ExitStack() as held:
+        if procs.is_main:  # another run on this entry finishes first; this one then reuses it
+            held.enter_context(entry_lock(entry))
+        # The main process decides for all: each looking for itself could see different things.
+        cached = procs.from_main(lambda: cached_record(entry, PREPARATION_FILE, method.preparation))
+        if cached:
+            LOG.info("reusing prepared inputs from %s", entry)
+        elif not procs.is_main:  # helps the main process; anything it wrote would be discarded
+            with tempfile.TemporaryDirectory(prefix="lmc-helper-") as scratch:
+                method.prepare(context(Path(scratch)))
+            return None
+        else:
+            staged = staged_folder(entry, "keep", sweep_siblings=True, complete=PREPARATION_FILE)
+            with staged as work:
+                ctx = context(work)
+                preparation = method.prepare(ctx)
+                for source, folder in zip(inputs, ctx.outputs, strict=True):
+                    write_provenance(folder, method.name, {"source": str(source), "cache_key": key})
+                preparation.write(work / PREPARATION_FILE)
+            shutil.rmtree(state_dir, ignore_errors=True)
     return Prepared(
         key=key,
         entry=entry,
@@ -291,32 +306,33 @@ def measure(
     key = measurement_key(prepared.key, settings, merge_config, options)
     entry = cache_dir / method.name / MEASUREMENTS_DIR / key
     report_file = method.report.file_name
-    if not (entry / report_file).is_file():
-        with (
-            staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
-            tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
-        ):
-            compared = {
-                comparison.name: _compare(comparison, recipe, Path(scratch), options, cache_dir)
-                for comparison in method.comparisons(settings, prepared.preparation)
-            }
-            report = method.measure(
-                MeasureContext(
-                    settings=settings,
-                    inputs=prepared.inputs,
-                    prepared=prepared.folders,
-                    preparation=prepared.preparation,
-                    artefacts=prepared.artefacts,
-                    merged=folder,
-                    comparisons=compared,
-                    test=load_test(),
-                    options=options,
-                    scratch=Path(scratch),
-                    files=work,
-                    split_for=_split_for(recipe),
+    with entry_lock(entry):  # a concurrent run measuring the same merge finishes first
+        if not cached_record(entry, report_file, method.report):
+            with (
+                staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
+                tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
+            ):
+                compared = {
+                    comparison.name: _compare(comparison, recipe, Path(scratch), options, cache_dir)
+                    for comparison in method.comparisons(settings, prepared.preparation)
+                }
+                report = method.measure(
+                    MeasureContext(
+                        settings=settings,
+                        inputs=prepared.inputs,
+                        prepared=prepared.folders,
+                        preparation=prepared.preparation,
+                        artefacts=prepared.artefacts,
+                        merged=folder,
+                        comparisons=compared,
+                        test=load_test(),
+                        options=options,
+                        scratch=Path(scratch),
+                        files=work,
+                        split_for=_split_for(recipe),
+                    )
                 )
-            )
-            report.write(work / report_file)
+                report.write(work / report_file)
     shutil.copytree(entry, folder, dirs_exist_ok=True)
     return method.report.read(entry / report_file)
 

@@ -7,6 +7,12 @@ has its final name (mergekit titles its model card after the folder it writes) a
 permissions (``mkdtemp`` makes only the hidden outer one private). A process killed outright
 (``kill -9``) cannot clean up: its staging folder names its host and process id, so the next
 run that publishes beside it removes it once that process is gone.
+
+Replacing a folder never leaves a moment without a complete one: the old folder is renamed
+aside into the staging folder (``<staging>/.previous``), the new one renamed in, and only then
+is the old one deleted; if the rename-in fails the old one goes back. A process killed between
+the two renames leaves the old folder in its staging folder, and the sweep that removes that
+staging folder first renames it back into place.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Literal
 from lmc_mergekit.errors import LmcError
 
 STAGING_MARK = ".partial-"
+#: Where a replaced folder waits, inside the staging folder, until the new one is in place.
+PREVIOUS = ".previous"
 _STAGING_NAME = re.compile(r"^\.(?P<name>.+)\.partial-(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
 
 
@@ -60,9 +68,33 @@ def remove_stale_staging(parent: Path, name: str | None = None) -> list[Path]:
         if match is None or match["host"] != host or (name is not None and match["name"] != name):
             continue
         if not _alive(int(match["pid"])):
+            _put_back(path / PREVIOUS, parent / match["name"])
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def discard(folder: Path) -> None:
+    """Delete ``folder`` without anyone seeing it half deleted: it is renamed into a staging
+    folder of this process first (one that is gone already, e.g. discarded by a concurrent run,
+    is fine)."""
+    prefix = f".{folder.name}{STAGING_MARK}{_host()}-{os.getpid()}-"
+    aside = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
+    try:
+        folder.rename(aside / folder.name)
+    except FileNotFoundError:
+        pass
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _put_back(previous: Path, out: Path) -> None:
+    """Rename a folder a killed run had moved aside back to ``out``, unless ``out`` exists."""
+    if (previous.exists() or previous.is_symlink()) and not (out.exists() or out.is_symlink()):
+        try:
+            previous.rename(out)
+        except OSError:  # another process put something there first: theirs stays
+            pass
 
 
 def _glob_escape(text: str) -> str:
@@ -107,6 +139,9 @@ def staged_folder(
 
 
 def _publish(inner: Path, out: Path, existing: Existing, complete: str | None) -> None:
+    """Rename ``inner`` to ``out``; an existing ``out`` is moved aside into ``inner``'s staging
+    folder first (deleted with it once ``inner`` is in place, put back if that fails)."""
+
     def kept() -> bool:
         return existing == "keep" and (complete is None or (out / complete).exists())
 
@@ -114,11 +149,18 @@ def _publish(inner: Path, out: Path, existing: Existing, complete: str | None) -
         return
     if existing == "refuse":
         check_output_free(out)  # something appeared there while this run worked
+    previous = None
     if out.exists() or out.is_symlink():
-        shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
+        previous = inner.parent / PREVIOUS
+        try:
+            out.rename(previous)
+        except OSError as error:
+            raise LmcError(f"could not move the old {out} aside to replace it ({error})") from None
     try:
         inner.rename(out)
     except OSError:
+        if previous is not None:
+            _put_back(previous, out)  # unless a concurrent run published its own there
         if kept():  # a concurrent run published in between
             return
         raise LmcError(

@@ -18,7 +18,8 @@ IDENTITY = "identity"
 def save_state(path: Path, identity, state: dict) -> None:
     """Write ``state`` with its run's ``identity`` to ``path``, replacing the file atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(path.suffix + ".partial")
+    # A name of this process's own: two writers never interleave one file.
+    partial = path.with_suffix(f"{path.suffix}.partial-{os.getpid()}")
     torch.save({IDENTITY: identity, **state}, partial)
     os.replace(partial, path)
 

@@ -123,6 +123,20 @@ class Transform:
 
     # ---- validation ---------------------------------------------------------------------
 
+    def non_finite_part(self) -> str | None:
+        """The first part holding NaN or Inf (``rotation``, ``scale``, ``layer 3 QK maps``),
+        or None when every part is finite."""
+        parts: list[tuple[str, float | torch.Tensor | None]] = [
+            ("scale", self.scale),
+            ("rotation", self.rotation),
+        ]
+        for index, layer in enumerate(self.layers):
+            parts += [(f"layer {index} QK maps", layer.qk), (f"layer {index} OV maps", layer.ov)]
+        for name, value in parts:
+            if value is not None and not torch.isfinite(torch.as_tensor(value)).all():
+                return name
+        return None
+
     def check_fits(self, spec: ModelSpec) -> None:
         """Raise a one-line error unless this transform is a valid symmetry of ``spec``."""
         name = spec.architecture
@@ -136,8 +150,9 @@ class Transform:
                 f"transform keeps tied embeddings tied, but the {name} model's are not tied; "
                 "use a transform made for this model"
             )
-        if not torch.isfinite(torch.as_tensor(self.scale)).all():
-            raise LmcError(f"transform scale is {float(self.scale)}; it must be finite")
+        bad = self.non_finite_part()
+        if bad is not None:
+            raise LmcError(f"NaN or Inf values in the transform's {bad}; it is no symmetry")
         group = symmetry_group(spec, self.keep_tie)
         if self.rotation is not None:
             _check_rotation(self.rotation.double(), spec, group)
@@ -149,8 +164,6 @@ def _check_rotation(q: torch.Tensor, spec: ModelSpec, group: SymmetryGroup) -> N
     d = spec.hidden_size
     if q.shape != (d, d):
         raise LmcError(f"transform rotation is {tuple(q.shape)} but the model's hidden size is {d}")
-    if not torch.isfinite(q).all():
-        raise LmcError("transform rotation holds NaN or Inf values")
     err = float((q.T @ q - torch.eye(d, dtype=q.dtype)).abs().max())
     if err > ORTHOGONALITY_TOL:
         raise LmcError(f"transform rotation is not orthogonal (|QᵀQ - I| = {err:.2e})")
@@ -190,10 +203,7 @@ def _check_layer(layer: LayerTransform, spec: ModelSpec, group: SymmetryGroup, i
                 f"{where} {kind} maps have shape {tuple(maps.shape)}; the model needs {shape} "
                 "(one dh×dh map per key/value head)"
             )
-        if (
-            not torch.isfinite(maps).all()
-            or torch.linalg.matrix_rank(maps.double()).min() < spec.head_dim
-        ):
+        if torch.linalg.matrix_rank(maps.double()).min() < spec.head_dim:
             raise LmcError(f"{where} {kind} maps are not invertible")
     if layer.qk is not None and spec.rotary_dims:
         err = rope_commutation_error(layer.qk.double(), spec.rotary_dims)
@@ -308,7 +318,8 @@ def save_transform(transform: Transform, path: str | Path) -> None:
 
 
 def load_transform(path: str | Path) -> Transform:
-    """Read a transform written by :func:`save_transform`."""
+    """Read a transform written by :func:`save_transform`; a one-line error for a file that is
+    not one, or whose values are not all finite."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -333,7 +344,7 @@ def load_transform(path: str | Path) -> Transform:
                 }
             )
         )
-    return Transform(
+    transform = Transform(
         num_layers=num_layers,
         absorb_norms=json.loads(metadata["absorb_norms"]),
         rotation=tensors.get("rotation"),
@@ -341,3 +352,10 @@ def load_transform(path: str | Path) -> Transform:
         layers=tuple(layers),
         keep_tie=json.loads(metadata.get("keep_tie", "false")),
     )
+    bad = transform.non_finite_part()
+    if bad is not None:
+        raise LmcError(
+            f"{path}: NaN or Inf values in the transform's {bad}; the file is damaged or was "
+            "written by a run that diverged, make it again"
+        )
+    return transform

@@ -1,0 +1,65 @@
+"""The two changes to mergekit that give it a plugin entry point (0.1.5 has none).
+
+Its configuration keeps keys it does not know (a plugin recipe's own section, which it used to
+drop), and ``mergekit.merge.run_merge`` hands a recipe whose method is a plugin method to a
+handler (the pipeline, see :mod:`lmc_mergekit.plugin.mergekit_entry`), so ``mergekit-yaml``,
+``mergekit-multi`` and every notebook that calls ``run_merge`` run plugin recipes. Any other
+recipe reaches mergekit's own ``run_merge`` as mergekit parsed it, unknown keys removed: built-in
+merges are exactly mergekit's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+
+from mergekit.config import MergeConfiguration
+
+from lmc_mergekit.plugin.methods import plugin_method
+from lmc_mergekit.runtime.post_import import when_imported
+
+
+def keep_plugin_sections() -> None:
+    """mergekit's configuration keeps the keys it does not know, so that a plugin method's
+    section survives ``MergeConfiguration.model_validate`` (idempotent)."""
+    if MergeConfiguration.model_config.get("extra") != "allow":
+        MergeConfiguration.model_config["extra"] = "allow"
+        MergeConfiguration.model_rebuild(force=True)
+
+
+def without_sections(config: MergeConfiguration) -> MergeConfiguration:
+    """``config`` as mergekit itself would have parsed it: without the keys it does not know."""
+    if not config.model_extra:
+        return config
+    plain = config.model_copy()
+    plain.__pydantic_extra__ = {}
+    return plain
+
+
+def route_run_merge(handler: Callable) -> None:
+    """Make ``mergekit.merge.run_merge`` call ``handler`` (with run_merge's arguments) for plugin
+    recipes: now, or when ``mergekit.merge`` is imported (idempotent)."""
+    when_imported("mergekit.merge", functools.partial(_wrap, handler=handler))
+
+
+def mergekit_run_merge():
+    """mergekit's own ``run_merge``, under the routing."""
+    import mergekit.merge
+
+    return inspect.unwrap(mergekit.merge.run_merge)
+
+
+def _wrap(module: ModuleType, handler: Callable) -> None:
+    original = module.run_merge
+    if hasattr(original, "__wrapped__"):
+        return
+
+    @functools.wraps(original)
+    def run_merge(merge_config, out_path, options, config_source=None):
+        if plugin_method(merge_config.merge_method) is None:
+            return original(without_sections(merge_config), out_path, options, config_source)
+        return handler(merge_config, out_path, options, config_source)
+
+    module.run_merge = run_merge
