@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,28 +43,47 @@ def test_two_runs_at_once_share_one_cache_entry(tmp_path):
     # are certainly running at the same moment, whatever the machine's speed.
     with entry_lock(entry):
         runs = [
-            subprocess.Popen(
-                [str(script), str(recipe), str(tmp_path / f"out{i}"), "--device", "cpu"],
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
+            Run([str(script), str(recipe), str(tmp_path / f"out{i}"), "--device", "cpu", "-v"], env)
             for i in range(2)
         ]
         for run in runs:
-            seen = []
-            for line in run.stderr:
-                seen.append(line)
-                if "another run is preparing" in line:
-                    break
-            else:
-                pytest.fail("a run ended without waiting:\n" + "".join(seen))
+            run.waiting.wait(timeout=600)
+            assert "another run is preparing" in run.text(), run.text()[-3000:]
     for run in runs:
-        _, rest = run.communicate(timeout=600)
-        assert run.returncode == 0, rest
+        assert run.finish() == 0, run.text()[-3000:]
+    # One prepared the inputs; the other, once the lock was its own, reused them.
+    reused = ["reusing prepared inputs" in run.text() for run in runs]
+    assert sorted(reused) == [False, True], [run.text()[-2000:] for run in runs]
     one, two = stored_tensors(tmp_path / "out0"), stored_tensors(tmp_path / "out1")
     assert one.keys() == two.keys() and all(one[k].equal(two[k]) for k in one)
     # One entry, complete; no resumable state or staging folder left behind.
     assert (entry / "preparation.json").is_file()
     leftovers = [p.name for p in (cache / "lmc_dm").iterdir() if ".partial-" in p.name]
     assert not leftovers and not (entry.parent / f".{entry.name}.state").exists()
+
+
+class Run:
+    """A real process whose stderr is read as it comes (so that it never blocks on a full pipe),
+    with an event set when it reports that it waits for another run."""
+
+    def __init__(self, command: list[str], env: dict):
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self.waiting = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+            if "another run is preparing" in line:
+                self.waiting.set()
+        self.waiting.set()  # ended: the waiter wakes and the assertion says why
+
+    def finish(self) -> int:
+        code = self.process.wait(timeout=600)
+        self.reader.join()
+        return code
+
+    def text(self) -> str:
+        return "".join(self.lines)

@@ -21,6 +21,7 @@ from tokenizer_helpers import make_tokenizer, save_tokenizer
 from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration
 
 from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.plugin.architecture_repairs import repaired_architectures
 from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
 
 PROJECTOR = "multi_modal_projector.mm_input_projection_weight"
@@ -151,7 +152,7 @@ def test_other_layouts_are_read_and_written_as_transformers_5_saves(gemma3, tmp_
 
 
 def test_mergekit_keeps_every_tensor_of_either_layout(gemma3, tmp_path):
-    """mergekit's own ``linear`` (its gemma3vl definition, repaired at import) on a
+    """mergekit's own ``linear`` with the gemma3vl definition the plugin's merges use, on a
     transformers 5 checkpoint and one in the Hub's layout: every tensor, averaged."""
     model, copy = gemma3
     hub = relabel(copy, tmp_path / "hub", HUB)
@@ -159,7 +160,8 @@ def test_mergekit_keeps_every_tensor_of_either_layout(gemma3, tmp_path):
         recipe("linear", [copy, hub], [0.5, 0.5])  # one model, two layouts: itself
     )
     out = tmp_path / "out"
-    run_merge(config, str(out), MergeOptions(quiet=True))
+    with repaired_architectures():
+        run_merge(config, str(out), MergeOptions(quiet=True))
     written, expected = stored_tensors(out), stored_tensors(copy)
     assert written.keys() == expected.keys()
     for key, tensor in expected.items():

@@ -401,6 +401,8 @@ def test_combine_hands_the_aligned_models_to_another_mergekit_method(learned, tr
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
+    from lmc_mergekit.plugin.architecture_repairs import repaired_architectures
+
     a, b = trained_pair
     recipe = recipe_for([a, b], **LEARNED, combine="slerp")
     recipe.update(base_model=str(a), parameters={"t": 0.3})
@@ -422,7 +424,8 @@ def test_combine_hands_the_aligned_models_to_another_mergekit_method(learned, tr
             "dtype": "float32",
         }
     )
-    run_merge(config, str(learned / "expected"), MergeOptions(quiet=True))
+    with repaired_architectures():  # mergekit's GPT-NeoX definition, as the plugin repairs it
+        run_merge(config, str(learned / "expected"), MergeOptions(quiet=True))
     got, expected = (load_file(learned / f / "model.safetensors") for f in ("slerp", "expected"))
     average = load_file(learned / "merged" / "model.safetensors")
     assert any(not torch.equal(got[k], average[k]) for k in got)

@@ -51,29 +51,50 @@ def recipe_file(folder: Path, pair, method: str = "lmc_dm", **extra) -> Path:
     return path
 
 
-def assert_same_output(a: Path, b: Path, unordered: tuple[str, ...] = ()) -> None:
+def assert_same_output(
+    a: Path, b: Path, unordered: tuple[str, ...] = (), timed: tuple[str, ...] = ()
+) -> None:
     """Same tensors bit for bit, and every other file byte for byte (card, report, config);
-    the files named in ``unordered`` hold the same lines in any order."""
+    the files named in ``unordered`` hold the same lines in any order, the JSON files named in
+    ``timed`` the same values but for their ``seconds``."""
     mine, theirs = stored_tensors(a), stored_tensors(b)
     assert mine.keys() == theirs.keys() and mine
     assert all(mine[k].dtype == theirs[k].dtype and mine[k].equal(theirs[k]) for k in mine)
     files = sorted(p.name for p in a.iterdir() if p.suffix != ".safetensors")
     assert files == sorted(p.name for p in b.iterdir() if p.suffix != ".safetensors")
     _, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
-    assert not errors and all(name in unordered for name in mismatch), mismatch
+    assert not errors and all(name in unordered + timed for name in mismatch), mismatch
     for name in unordered:
         lines = [sorted((folder / name).read_text().splitlines()) for folder in (a, b)]
         assert lines[0] == lines[1], name
+    for name in timed:
+        records = [untimed(json.loads((folder / name).read_text())) for folder in (a, b)]
+        assert records[0] == records[1], name
 
 
-def test_mergekit_yaml_runs_a_plugin_recipe_as_lmc_mergekit_yaml_does(pair, tmp_path):
+def untimed(record):
+    """A JSON record without its ``seconds`` entries, at any depth."""
+    if isinstance(record, dict):
+        return {key: untimed(value) for key, value in record.items() if key != "seconds"}
+    if isinstance(record, list):
+        return [untimed(value) for value in record]
+    return record
+
+
+def test_mergekit_yaml_runs_a_plugin_recipe_as_lmc_mergekit_yaml_does(pair, tmp_path, monkeypatch):
+    """Each with a cache of its own: both run the pass and the measurement."""
     recipe = recipe_file(tmp_path, pair)
-    ours = CliRunner().invoke(mergekit_yaml_main, [str(recipe), str(tmp_path / "1" / "out")])
+    ours = CliRunner().invoke(
+        mergekit_yaml_main,
+        [str(recipe), str(tmp_path / "1" / "out"), "--lmc-cache", str(tmp_path / "cache1")],
+    )
     assert ours.exit_code == 0, ours.output
+    monkeypatch.setenv("LMC_MERGEKIT_CACHE", str(tmp_path / "cache2"))
     theirs = CliRunner().invoke(mergekit_yaml, [str(recipe), str(tmp_path / "2" / "out")])
     assert theirs.exit_code == 0, theirs.output
-    assert (tmp_path / "2" / "out" / "lmc_report.json").is_file()
-    assert_same_output(tmp_path / "1" / "out", tmp_path / "2" / "out")
+    assert list((tmp_path / "cache2" / "lmc_dm").glob("*/preparation.json"))
+    # The same files, but for the seconds each run took.
+    assert_same_output(tmp_path / "1" / "out", tmp_path / "2" / "out", timed=("lmc_report.json",))
 
 
 def test_run_merge_reads_the_section_from_the_configuration_alone(pair, tmp_path):
@@ -109,8 +130,7 @@ def test_a_plugin_error_from_run_merge_is_one_line(pair, tmp_path):
     with pytest.raises(LmcError, match="'alignment:'") as error:
         run_merge(config, str(tmp_path / "out"), MergeOptions(quiet=True))
     assert "\n" not in str(error.value)
-    result = CliRunner().invoke(mergekit_yaml, ["/no/such/recipe.yml", str(tmp_path / "o")])
-    assert result.exit_code != 0 and not (tmp_path / "o").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_mergekit_yaml_replaces_a_model_folder_and_refuses_any_other(pair, tmp_path):
@@ -158,8 +178,11 @@ def test_the_start_files_name_the_hook():
     assert pth.startswith("import ") and "\n" not in pth
     (entry,) = (REPO / "startup" / "lmc_mergekit.start").read_text().split()
     assert pkgutil.resolve_name(entry) is autoload.install
+    watchers = [f for f in sys.meta_path if getattr(f, "_lmc_mergekit_post_import", False)]
     autoload.install()
     autoload.install()
+    assert [f for f in sys.meta_path if getattr(f, "_lmc_mergekit_post_import", False)] == watchers
+    assert len(watchers) <= 1
 
 
 def python(code: str, env: dict | None = None, *flags: str) -> subprocess.CompletedProcess:
@@ -173,6 +196,8 @@ def python(code: str, env: dict | None = None, *flags: str) -> subprocess.Comple
 
 REGISTERED = """
     import sys
+    import mergekit.config  # the configuration alone loads the plugin, so its section is kept
+    print("lmc_mergekit.plugin" in sys.modules)
     import mergekit.merge_methods as methods
     names = {method.spec.name for method in methods.registered_methods()}
     print(sorted(names & {"lmc_dm", "ls_merge", "subclone_compensate"}))
@@ -183,16 +208,17 @@ REGISTERED = """
 @pytest.mark.slow
 def test_the_hook_loads_the_plugin_unless_switched_off_or_under_python_s():
     loaded = python(REGISTERED)
-    assert loaded.stdout.split("\n")[:2] == [
+    assert loaded.stdout.split("\n")[:3] == [
+        "True",
         "['lmc_dm', 'ls_merge', 'subclone_compensate']",
         "True",
     ], loaded.stderr
     off = python(REGISTERED, {"LMC_MERGEKIT_AUTOLOAD": "0"})
-    assert off.stdout.split("\n")[:2] == ["[]", "False"], off.stderr
+    assert off.stdout.split("\n")[:3] == ["False", "[]", "False"], off.stderr
     # -S: no site-packages processing; the packages are reachable through PYTHONPATH only.
     site = sysconfig.get_paths()["purelib"]
     bare = python(REGISTERED, {"PYTHONPATH": f"{site}{os.pathsep}{REPO}"}, "-S")
-    assert bare.stdout.split("\n")[:2] == ["[]", "False"], bare.stderr
+    assert bare.stdout.split("\n")[:3] == ["False", "[]", "False"], bare.stderr
     # Start-up itself imports neither torch nor mergekit.
     light = python("import sys; print('torch' in sys.modules, 'mergekit' in sys.modules)")
     assert light.stdout.strip() == "False False", light.stderr
@@ -282,6 +308,33 @@ def test_mergekit_yaml_runs_every_shipped_plugin_recipe(console_outputs):
 
 
 @pytest.mark.slow
+def test_a_configuration_parsed_before_the_plugin_needs_its_text(pair, tmp_path):
+    """With the hook off, a notebook parses the recipe, then imports the plugin: the section
+    was dropped, so run_merge runs the recipe text it is given, and without one says so."""
+    recipe = recipe_file(tmp_path, pair, alignment={"steps": 0, "evaluate": False})
+    code = f"""
+        import yaml
+        from mergekit.config import MergeConfiguration
+        text = open({str(recipe)!r}).read()
+        config = MergeConfiguration.model_validate(yaml.safe_load(text))
+        import lmc_mergekit.plugin
+        from lmc_mergekit.errors import LmcError
+        from mergekit.merge import MergeOptions, run_merge
+        try:
+            run_merge(config, {str(tmp_path / "lost")!r}, MergeOptions(quiet=True))
+        except LmcError as error:
+            print("refused:", error)
+        run_merge(config, {str(tmp_path / "out")!r}, MergeOptions(quiet=True), config_source=text)
+    """
+    done = python(code, {"LMC_MERGEKIT_AUTOLOAD": "0", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: this lmc_dm configuration was parsed before lmc-mergekit" in done.stdout
+    assert not (tmp_path / "lost").exists()
+    report = json.loads((tmp_path / "out" / "lmc_report.json").read_text())
+    assert report["settings"]["evaluate"] is False
+
+
+@pytest.mark.slow
 def test_a_builtin_recipe_gives_what_mergekit_without_the_plugin_gives(pair, tmp_path):
     """The real ``mergekit-yaml`` with the hook and with it switched off: the same files, card
     included, for a built-in recipe carrying a key mergekit does not know."""
@@ -319,6 +372,8 @@ def test_a_wheel_install_runs_every_shipped_plugin_recipe_through_run_merge(
             "wheel",
             "--no-deps",
             "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
             "-q",
             "-w",
             str(wheels),

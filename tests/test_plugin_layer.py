@@ -95,8 +95,38 @@ def test_only_the_plugin_touches_mergekit_when_imported():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     before, after, neox_unchanged = done.stdout.strip().splitlines()
-    assert before == "[]" and neox_unchanged == "False"
+    assert before == "[]" and neox_unchanged == "True"  # repairs: only in the plugin's merges
     assert after == "['lmc_dm', 'ls_merge', 'subclone_compensate']"
+
+
+def test_the_repairs_hold_inside_the_plugins_merges_only():
+    from mergekit.architecture import json_definitions
+
+    from lmc_mergekit.plugin.architecture_repairs import REPAIRS, repaired_architectures
+
+    def definitions():
+        return {r.architecture: json_definitions.NAME_TO_ARCH[r.architecture] for r in REPAIRS}
+
+    mergekit_own = definitions()
+    with repaired_architectures():
+        repaired = definitions()
+        found = []
+
+        def walk(node):  # the weights named like a stale GPT-NeoX buffer, in the definition
+            if isinstance(node, dict):
+                if str(node.get("name", "")).endswith("attention.masked_bias"):
+                    found.append(node)
+                for value in node.values():
+                    walk(value)
+            elif isinstance(node, list):
+                for value in node:
+                    walk(value)
+
+        walk(repaired["GPTNeoXForCausalLM"][0].model_dump(mode="json"))
+        assert found and all(weight["optional"] for weight in found)
+        assert all(repaired[name] != mergekit_own[name] for name in mergekit_own)
+    assert definitions() == mergekit_own
+    assert all(definitions()[name] is mergekit_own[name] for name in mergekit_own)
 
 
 def test_one_record_drives_registration_sections_and_the_pipeline():

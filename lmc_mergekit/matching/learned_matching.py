@@ -187,7 +187,7 @@ def learn_symmetries(
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     state = _State(objective, optimizer, config)
     checkpoint = None if state_dir is None else state_dir / CHECKPOINT_FILE
-    resumed_from = state.load(checkpoint, asdict(config)) if checkpoint else None
+    resumed_from = state.load(checkpoint, asdict(config), processes) if checkpoint else None
     state.keep()
     start = time.perf_counter()
     bar = tqdm(

@@ -30,6 +30,9 @@ AUTOENCODER_FILE = "autoencoder.safetensors"
 RECORD_FILE = "training.json"
 #: What reading a damaged or foreign autoencoder file or record raises.
 UNREADABLE = (KeyError, RuntimeError, OSError, ValueError, SafetensorError)
+#: What a damaged cached autoencoder raises when read (not a file system that is unavailable
+#: for a moment, which leaves the entry alone).
+DAMAGED = (FileNotFoundError, KeyError, RuntimeError, ValueError, SafetensorError)
 LOG = logging.getLogger(__name__)
 
 
@@ -107,14 +110,15 @@ def _read_cached(folder: Path, device: torch.device) -> tuple[WeightAutoencoder,
     or when either cannot be read (the folder is then removed, to be trained again)."""
     if not (folder / AUTOENCODER_FILE).is_file():
         return None
-    try:
+    try:  # read on the CPU: a device that is out of memory is no damage to the cache
         record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
-        return load_autoencoder(folder / AUTOENCODER_FILE, device), record
-    except UNREADABLE as error:
+        model = load_autoencoder(folder / AUTOENCODER_FILE, "cpu")
+    except DAMAGED as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         LOG.warning("cached autoencoder %s is damaged (%s); training it again", folder, reason)
         discard(folder)
         return None
+    return model.to(device), record
 
 
 def _load_given(path: Path, device: torch.device) -> WeightAutoencoder:

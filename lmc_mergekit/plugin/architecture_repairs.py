@@ -1,4 +1,6 @@
-"""Repairs of mergekit 0.1.5's architecture definitions that current checkpoints do not match.
+"""Repairs of mergekit 0.1.5's architecture definitions that current checkpoints do not match,
+in force during the plugin's own merges only (:func:`repaired_architectures`): mergekit's
+commands, the start-up hook loaded or not, merge built-in recipes with mergekit's definitions.
 
 - GPT-NeoX: the shipped ``gpt-neox.json`` requires ``attention.bias``,
   ``attention.masked_bias`` and ``attention.rotary_emb.inv_freq`` in every layer; checkpoints
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mergekit._data.architectures
@@ -108,8 +111,24 @@ REPAIRS = (
 )
 
 
+@contextmanager
+def repaired_architectures() -> Iterator[None]:
+    """mergekit's entries replaced by the repaired ones for the block, and put back after."""
+    saved = {r.architecture: json_definitions.NAME_TO_ARCH.get(r.architecture) for r in REPAIRS}
+    repair_architectures()
+    try:
+        yield
+    finally:
+        for architecture, entries in saved.items():
+            if entries is None:
+                json_definitions.NAME_TO_ARCH.pop(architecture, None)
+            else:
+                json_definitions.NAME_TO_ARCH[architecture] = entries
+
+
 def repair_architectures() -> None:
-    """Replace mergekit's entries by the repaired ones (idempotent)."""
+    """Replace mergekit's entries by the repaired ones (idempotent; new lists, so that what
+    :func:`repaired_architectures` saved stays as it was)."""
     for repair in REPAIRS:
         fixed = json_definitions._load_architecture_json(json.dumps(repair.definition()))
         entries = json_definitions.NAME_TO_ARCH.get(repair.architecture, [])

@@ -94,7 +94,7 @@ def cached_record(entry: Path, name: str, kind: type[Record]) -> bool:
         return False
     try:
         kind.read(path)
-    except (OSError, UnicodeDecodeError, ValidationError) as error:
+    except (UnicodeDecodeError, ValidationError) as error:  # not OSError: no damage of its own
         reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error)
         LOG.warning("cache entry %s is damaged (%s: %s); computing it again", entry, name, reason)
         discard(entry)

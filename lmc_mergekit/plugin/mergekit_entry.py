@@ -34,12 +34,20 @@ def run_plugin_merge(
             options,
             default_cache_dir(),
             overwrite=_replaceable(out),
-            device_given=context is None or option_given(context, "device", "cuda", "gpu_rich"),
+            device_given=_device_given(context),
         )
     except LmcError as error:
         if context is None:
             raise
         raise click.ClickException(str(error)) from None
+
+
+def _device_given(context: click.Context | None) -> bool:
+    """Whether the device in the options is the user's: from Python (no command, or one
+    without mergekit's options), always; from a command, when its line named one."""
+    if context is None or "device" not in {p.name for p in context.command.params}:
+        return True
+    return option_given(context, "device", "cuda", "gpu_rich")
 
 
 def option_given(context: click.Context, *names: str) -> bool:
@@ -51,16 +59,16 @@ def option_given(context: click.Context, *names: str) -> bool:
 def _recipe(merge_config: MergeConfiguration, config_source: str | None) -> Recipe:
     """The recipe run_merge was given: its text when that is the configuration's (the card
     quotes it as written), else the configuration written out with its section."""
-    if merge_config.model_extra is None:
-        raise LmcError(
-            f"this {merge_config.merge_method} configuration was parsed before lmc-mergekit was "
-            "loaded, so its plugin section is lost: import lmc_mergekit.plugin (or mergekit.merge) "
-            "before MergeConfiguration.model_validate, or pass config_source=<the recipe text>"
-        )
     if config_source:
         recipe = parse_recipe(config_source)
         if _same(recipe.config, merge_config):
             return recipe
+    if merge_config.model_extra is None:
+        raise LmcError(
+            f"this {merge_config.merge_method} configuration was parsed before lmc-mergekit was "
+            "loaded, so its plugin section is lost: import lmc_mergekit.plugin before "
+            "MergeConfiguration.model_validate, or pass config_source=<the recipe text>"
+        )
     return parse_recipe(merge_config.to_yaml())
 
 

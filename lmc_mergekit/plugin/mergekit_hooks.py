@@ -11,7 +11,6 @@ merges are exactly mergekit's.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from types import ModuleType
 
@@ -44,16 +43,20 @@ def route_run_merge(handler: Callable) -> None:
     when_imported("mergekit.merge", functools.partial(_wrap, handler=handler))
 
 
+#: The attribute of the routing wrapper that holds the function it wraps.
+ORIGINAL = "__lmc_original__"
+
+
 def mergekit_run_merge():
-    """mergekit's own ``run_merge``, under the routing."""
+    """The ``run_merge`` that the routing wraps (mergekit's own, or whatever else was there)."""
     import mergekit.merge
 
-    return inspect.unwrap(mergekit.merge.run_merge)
+    return getattr(mergekit.merge.run_merge, ORIGINAL, mergekit.merge.run_merge)
 
 
 def _wrap(module: ModuleType, handler: Callable) -> None:
     original = module.run_merge
-    if hasattr(original, "__wrapped__"):
+    if hasattr(original, ORIGINAL):
         return
 
     @functools.wraps(original)
@@ -62,4 +65,5 @@ def _wrap(module: ModuleType, handler: Callable) -> None:
             return original(without_sections(merge_config), out_path, options, config_source)
         return handler(merge_config, out_path, options, config_source)
 
+    setattr(run_merge, ORIGINAL, original)
     module.run_merge = run_merge

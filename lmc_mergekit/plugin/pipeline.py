@@ -29,6 +29,7 @@ from lmc_mergekit.models.checkpoint import first_non_finite, model_dir
 from lmc_mergekit.passes.base import Compared, Comparison, MeasureContext, PassContext, Section
 from lmc_mergekit.passes.device import pass_device, with_default_device
 from lmc_mergekit.passes.text import Split, load_test_split
+from lmc_mergekit.plugin.architecture_repairs import repaired_architectures
 from lmc_mergekit.plugin.cache import (
     ARTEFACTS_DIR,
     MEASUREMENTS_DIR,
@@ -176,8 +177,9 @@ def launcher_rank() -> int:
 
 
 def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> None:
-    """mergekit's executor into ``folder`` (the card is the caller's), then every merged tensor
-    checked: nothing non-finite is ever kept. Unless the user set ``--out-shard-size``, the
+    """mergekit's executor into ``folder`` (the card is the caller's; mergekit's architecture
+    definitions repaired while it runs), then every merged tensor checked: nothing non-finite
+    is ever kept. Unless the user set ``--out-shard-size``, the
     output is written in shards of the size prepared checkpoints use: mergekit's own default
     (5 GB) holds a whole merged model of today's sizes in one shard plus its serialised copy."""
     update: dict = {"write_model_card": False}
@@ -187,7 +189,8 @@ def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> No
     try:
         run_merge = mergekit_run_merge()
         plain = without_sections(expand_home(config)).model_copy(deep=True)
-        run_merge(plain, str(folder), no_card)
+        with repaired_architectures():
+            run_merge(plain, str(folder), no_card)
     except LmcError:
         raise
     except (RuntimeError, ValueError, OSError) as error:
@@ -217,8 +220,8 @@ def prepare(
     """The prepared inputs of a plugin recipe: from the cache, or by running the method's
     pre-merge pass into a new entry (which calls ``load_test`` before its heavy work).
     Resumable state of an interrupted pass lives next to the entry until the pass succeeds. In
-    the other processes of a launcher the pass only helps, writing nothing (and None is
-    returned, unless the entry exists already)."""
+    the other processes of a launcher the pass only helps, writing nothing, and None is
+    returned."""
     inputs = tuple(plugin_inputs(config, method.name))
     base = None if config.base_model is None else model_dir(config.base_model.model.path)
     device = pass_device(options)
@@ -242,17 +245,29 @@ def prepare(
             load_test=load_test,
         )
 
+    def complete() -> bool:
+        return cached_record(entry, PREPARATION_FILE, method.preparation)
+
     with ExitStack() as held:
-        if procs.is_main:  # another run on this entry finishes first; this one then reuses it
+
+        def locked_or_complete() -> bool:
+            # A complete entry needs no lock (a read-only cache works); otherwise another run
+            # on it finishes first, and this one then reuses what it wrote.
+            if complete():
+                return True
             held.enter_context(entry_lock(entry))
-        # The main process decides for all: each looking for itself could see different things.
-        cached = procs.from_main(lambda: cached_record(entry, PREPARATION_FILE, method.preparation))
+            return complete()
+
+        # The main process decides for all (each looking for itself could see different
+        # things), and a failure there (a cache it cannot lock) stops them all.
+        cached = procs.from_main(locked_or_complete)
+        if not procs.is_main:  # helps the main process; anything it wrote would be discarded
+            if not cached:
+                with tempfile.TemporaryDirectory(prefix="lmc-helper-") as scratch:
+                    method.prepare(context(Path(scratch)))
+            return None
         if cached:
             LOG.info("reusing prepared inputs from %s", entry)
-        elif not procs.is_main:  # helps the main process; anything it wrote would be discarded
-            with tempfile.TemporaryDirectory(prefix="lmc-helper-") as scratch:
-                method.prepare(context(Path(scratch)))
-            return None
         else:
             staged = staged_folder(entry, "keep", sweep_siblings=True, complete=PREPARATION_FILE)
             with staged as work:
@@ -306,33 +321,36 @@ def measure(
     key = measurement_key(prepared.key, settings, merge_config, options)
     entry = cache_dir / method.name / MEASUREMENTS_DIR / key
     report_file = method.report.file_name
-    with entry_lock(entry):  # a concurrent run measuring the same merge finishes first
-        if not cached_record(entry, report_file, method.report):
-            with (
-                staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
-                tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
-            ):
-                compared = {
-                    comparison.name: _compare(comparison, recipe, Path(scratch), options, cache_dir)
-                    for comparison in method.comparisons(settings, prepared.preparation)
-                }
-                report = method.measure(
-                    MeasureContext(
-                        settings=settings,
-                        inputs=prepared.inputs,
-                        prepared=prepared.folders,
-                        preparation=prepared.preparation,
-                        artefacts=prepared.artefacts,
-                        merged=folder,
-                        comparisons=compared,
-                        test=load_test(),
-                        options=options,
-                        scratch=Path(scratch),
-                        files=work,
-                        split_for=_split_for(recipe),
+    if not cached_record(entry, report_file, method.report):  # complete: no lock needed
+        with entry_lock(entry):  # a concurrent run measuring the same merge finishes first
+            if not cached_record(entry, report_file, method.report):
+                with (
+                    staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
+                    tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
+                ):
+                    compared = {
+                        comparison.name: _compare(
+                            comparison, recipe, Path(scratch), options, cache_dir
+                        )
+                        for comparison in method.comparisons(settings, prepared.preparation)
+                    }
+                    report = method.measure(
+                        MeasureContext(
+                            settings=settings,
+                            inputs=prepared.inputs,
+                            prepared=prepared.folders,
+                            preparation=prepared.preparation,
+                            artefacts=prepared.artefacts,
+                            merged=folder,
+                            comparisons=compared,
+                            test=load_test(),
+                            options=options,
+                            scratch=Path(scratch),
+                            files=work,
+                            split_for=_split_for(recipe),
+                        )
                     )
-                )
-                report.write(work / report_file)
+                    report.write(work / report_file)
     shutil.copytree(entry, folder, dirs_exist_ok=True)
     return method.report.read(entry / report_file)
 

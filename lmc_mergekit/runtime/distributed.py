@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
@@ -25,6 +26,11 @@ import torch.distributed as dist
 from lmc_mergekit.errors import LmcError
 
 T = TypeVar("T")
+
+#: How long a process waits in a collective: the others may be waiting for work only the main
+#: process does (weight matching of a large pair, another run's pass on the same cache entry),
+#: which takes far longer than the launchers' defaults (10 minutes under NCCL).
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ def processes(device: torch.device | None = None) -> Processes:
             torch.get_device_module(device.type).set_device(device)
             bound = device
         backend = dist.Backend.default_device_backend_map.get(device.type, "gloo")
-        dist.init_process_group(backend=backend, device_id=bound)
+        dist.init_process_group(backend=backend, device_id=bound, timeout=COLLECTIVE_TIMEOUT)
     return Processes(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 

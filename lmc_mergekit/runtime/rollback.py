@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.resumable import load_state, save_state
 
 #: A step whose loss exceeds this multiple of the largest recent loss counts as exploding.
@@ -137,10 +138,12 @@ class TrainingState:
         """Write ``snapshot`` as the resumable checkpoint of the run ``identity``."""
         save_state(path, identity, snapshot)
 
-    def load(self, path: Path | None, identity) -> int | None:
+    def load(self, path: Path | None, identity, processes: Processes | None = None) -> int | None:
         """Resume from the checkpoint at ``path`` if the run ``identity`` wrote it; the step
-        resumed from, or None."""
-        saved = load_state(path, identity)  # None also when the settings changed
+        resumed from, or None. Under several ``processes`` the main one (the one that writes
+        checkpoints) reads it and every process resumes from what it read."""
+        # None also when the settings changed.
+        saved = (processes or Processes()).from_main(lambda: load_state(path, identity))
         if saved is None:
             return None
         self.restore(saved)
