@@ -159,13 +159,15 @@ def test_builtin_recipes_reach_mergekit_exactly_as_it_parsed_them(pair, tmp_path
     monkeypatch.chdir(tmp_path)
     text = yaml.safe_load(recipe_file(tmp_path, pair, "linear").read_text())
     text["notes"] = "not a mergekit key"
+    text["alignment"] = {"steps": 0}  # a plugin section under a built-in method
+    assert MergeConfiguration.model_validate(text).model_extra == {"alignment": {"steps": 0}}
     options = MergeOptions(quiet=True)
     run_merge(MergeConfiguration.model_validate(text), "routed", options)
     # mergekit alone ignores the key: its own run_merge on the recipe without it.
-    ignored = {key: value for key, value in text.items() if key != "notes"}
+    ignored = {key: value for key, value in text.items() if key not in ("notes", "alignment")}
     inspect.unwrap(run_merge)(MergeConfiguration.model_validate(ignored), "original", options)
     mergekit_config = (tmp_path / "routed" / "mergekit_config.yml").read_text()
-    assert "notes" not in mergekit_config
+    assert "notes" not in mergekit_config and "alignment" not in mergekit_config
     assert mergekit_config == (tmp_path / "original" / "mergekit_config.yml").read_text()
 
 

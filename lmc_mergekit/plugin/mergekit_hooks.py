@@ -1,11 +1,11 @@
 """The two changes to mergekit that give it a plugin entry point (0.1.5 has none).
 
-Its configuration keeps keys it does not know (a plugin recipe's own section, which it used to
-drop), and ``mergekit.merge.run_merge`` hands a recipe whose method is a plugin method to a
+Its configuration keeps a plugin recipe's own section (which it used to drop with every key it
+does not know), and ``mergekit.merge.run_merge`` hands a recipe whose method is a plugin method to a
 handler (the pipeline, see :mod:`lmc_mergekit.plugin.mergekit_entry`), so ``mergekit-yaml``,
 ``mergekit-multi`` and every notebook that calls ``run_merge`` run plugin recipes. Any other
-recipe reaches mergekit's own ``run_merge`` as mergekit parsed it, unknown keys removed: built-in
-merges are exactly mergekit's.
+recipe reaches mergekit's own ``run_merge`` as mergekit parsed it, plugin sections removed:
+built-in merges are exactly mergekit's.
 """
 
 from __future__ import annotations
@@ -16,20 +16,32 @@ from types import ModuleType
 
 from mergekit.config import MergeConfiguration
 
-from lmc_mergekit.plugin.methods import plugin_method
+from lmc_mergekit.plugin.methods import BY_SECTION, plugin_method
 from lmc_mergekit.runtime.post_import import when_imported
 
 
 def keep_plugin_sections() -> None:
-    """mergekit's configuration keeps the keys it does not know, so that a plugin method's
-    section survives ``MergeConfiguration.model_validate`` (idempotent)."""
-    if MergeConfiguration.model_config.get("extra") != "allow":
-        MergeConfiguration.model_config["extra"] = "allow"
-        MergeConfiguration.model_rebuild(force=True)
+    """mergekit's configuration keeps the plugin methods' sections (``alignment:``, ...), so
+    that they survive ``MergeConfiguration.model_validate``; other keys it does not know it
+    still drops (idempotent)."""
+    if MergeConfiguration.model_config.get("extra") == "allow":
+        return
+    sections = frozenset(BY_SECTION)
+
+    def drop_other_keys(self, context, /) -> None:
+        extra = self.__pydantic_extra__ or {}
+        for key in [key for key in extra if key not in sections]:
+            del extra[key]
+
+    MergeConfiguration.model_config["extra"] = "allow"
+    MergeConfiguration.model_post_init = drop_other_keys
+    # pydantic calls model_post_init only on classes marked so when they were built.
+    MergeConfiguration.__pydantic_post_init__ = "model_post_init"
+    MergeConfiguration.model_rebuild(force=True)
 
 
 def without_sections(config: MergeConfiguration) -> MergeConfiguration:
-    """``config`` as mergekit itself would have parsed it: without the keys it does not know."""
+    """``config`` as mergekit itself would have parsed it: without the plugin sections."""
     if not config.model_extra:
         return config
     plain = config.model_copy()
