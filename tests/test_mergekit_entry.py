@@ -176,7 +176,7 @@ def test_the_start_files_name_the_hook():
     entry point; installing it twice is harmless."""
     from lmc_mergekit import autoload
 
-    pth = (REPO / "startup" / "lmc_mergekit.pth").read_text().strip()
+    pth = (REPO / "startup" / "lmc_mergekit.pth.in").read_text().strip()
     assert pth.startswith("import ") and "\n" not in pth
     (entry,) = (REPO / "startup" / "lmc_mergekit.start").read_text().split()
     assert pkgutil.resolve_name(entry) is autoload.install
