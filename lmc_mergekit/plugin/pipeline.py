@@ -324,35 +324,49 @@ def measure(
     if not cached_record(entry, report_file, method.report):  # complete: no lock needed
         with entry_lock(entry):  # a concurrent run measuring the same merge finishes first
             if not cached_record(entry, report_file, method.report):
-                with (
-                    staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
-                    tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
-                ):
-                    compared = {
-                        comparison.name: _compare(
-                            comparison, recipe, Path(scratch), options, cache_dir
-                        )
-                        for comparison in method.comparisons(settings, prepared.preparation)
-                    }
-                    report = method.measure(
-                        MeasureContext(
-                            settings=settings,
-                            inputs=prepared.inputs,
-                            prepared=prepared.folders,
-                            preparation=prepared.preparation,
-                            artefacts=prepared.artefacts,
-                            merged=folder,
-                            comparisons=compared,
-                            test=load_test(),
-                            options=options,
-                            scratch=Path(scratch),
-                            files=work,
-                            split_for=_split_for(recipe),
-                        )
-                    )
-                    report.write(work / report_file)
+                _measure_into(entry, recipe, prepared, folder, load_test, options, cache_dir)
     shutil.copytree(entry, folder, dirs_exist_ok=True)
     return method.report.read(entry / report_file)
+
+
+def _measure_into(
+    entry: Path,
+    recipe: Recipe,
+    prepared: Prepared,
+    folder: Path,
+    load_test: Callable[[], Split | None],
+    options: MergeOptions,
+    cache_dir: Path,
+) -> None:
+    """Measure the merge in ``folder`` into the new cache entry ``entry`` (its report and
+    files), running the comparison merges the method declares."""
+    method, settings = recipe.method, recipe.settings
+    report_file = method.report.file_name
+    with (
+        staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
+        tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
+    ):
+        compared = {
+            comparison.name: _compare(comparison, recipe, Path(scratch), options, cache_dir)
+            for comparison in method.comparisons(settings, prepared.preparation)
+        }
+        report = method.measure(
+            MeasureContext(
+                settings=settings,
+                inputs=prepared.inputs,
+                prepared=prepared.folders,
+                preparation=prepared.preparation,
+                artefacts=prepared.artefacts,
+                merged=folder,
+                comparisons=compared,
+                test=load_test(),
+                options=options,
+                scratch=Path(scratch),
+                files=work,
+                split_for=_split_for(recipe),
+            )
+        )
+        report.write(work / report_file)
 
 
 def _compare(
