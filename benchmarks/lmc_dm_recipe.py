@@ -1,7 +1,9 @@
 """``lmc_dm`` recipes on zoo pairs through the whole tool: one table row per pair.
 
     python benchmarks/lmc_dm_recipe.py [--zoo DIR] [--arch qwen3 gemma2] [--hidden 128]
-        [--zoo-steps 1500] [--steps 600] [--tied --tied-embeddings untie keep]
+        [--zoo-steps 1500] [--steps 600] [--matching weights activations]
+        [--learn residual permutation scale qk ov]
+        [--tied --tied-embeddings untie keep]
 
 Builds (or reuses) the zoo pair of each architecture (seeds 0 and 1), runs an ``lmc_dm``
 recipe (weight matching, then ``--steps`` of dual learned matching with the defaults) through
@@ -9,7 +11,7 @@ recipe (weight matching, then ``--steps`` of dual learned matching with the defa
 losses, the raw barrier, after weight matching and after learned matching, the share removed,
 the merged model's loss, the learned families, the learning time and the whole command's time.
 With ``--tied`` the zoo pairs tie their heads to their embeddings, and each pair runs once per
-``--tied-embeddings`` setting (``untie``, ``keep``).
+``--tied-embeddings`` setting (``untie``, ``keep``); each pair runs once per ``--matching``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.zoo import build_zoo
 
 HEADER = (
-    "| pair | endpoint losses | raw barrier | weight matching | learned matching | removed "
-    "| merged loss | learned families | learning | whole command |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| pair | matching | endpoint losses | raw barrier | after matching | learned matching "
+    "| removed | merged loss | learned families | learning | whole command |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -45,16 +47,19 @@ def pair_row(
         "dtype": "float32",
         "alignment": {"steps": steps, **alignment},
     }
-    path = work / f"{label}.yml"
+    name = "-".join(
+        [label, *(v if isinstance(v, str) else "+".join(v) for v in alignment.values())]
+    ).replace(" ", "")
+    path = work / f"{name}.yml"
     path.write_text(yaml.safe_dump(recipe))
     started = time.perf_counter()
-    out = run_recipe(path, work / label, options, work / "cache")
+    out = run_recipe(path, work / name, options, work / "cache")
     seconds = time.perf_counter() - started
     report = AlignmentReport.read(out / AlignmentReport.file_name)
     pair, learning = report.pairs[0], report.learning
     raw, matched, learned = (p.barrier for p in (pair.raw, pair.matched, pair.learned))
     return (
-        f"| {label} | "
+        f"| {label} | {report.matching[0]['matching']} | "
         + " / ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
         + f" | {raw:.3f} | {matched:.3f} | **{learned:.3f}** | {1 - learned / raw:.1%} | "
         f"{report.merged.test_loss:.3f} | {', '.join(learning.families)} | "
@@ -70,6 +75,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--zoo-steps", type=int, default=1500)
     parser.add_argument("--steps", type=int, default=600, help="learned-matching steps")
+    parser.add_argument(
+        "--matching", nargs="+", default=["weights"], choices=["auto", "weights", "activations"]
+    )
+    parser.add_argument("--learn", nargs="+", help="learned families (default: the recipe's)")
     parser.add_argument("--tied", action="store_true", help="zoo pairs with tied heads")
     parser.add_argument(
         "--tied-embeddings", nargs="+", default=["untie"], choices=["untie", "keep"]
@@ -82,10 +91,22 @@ def main() -> None:
             args.zoo, arch, args.hidden, args.layers, (0, 1), args.zoo_steps, tied=args.tied
         )
         for tie in args.tied_embeddings if args.tied else ["untie"]:
-            label = f"{arch} d={args.hidden}" + (f", tied, {tie}" if args.tied else "")
-            options = MergeOptions(quiet=True)
-            row = pair_row(label, a, b, args.steps, work, options, tied_embeddings=tie)
-            print(row, flush=True)
+            for matching in args.matching:
+                label = f"{arch} d={args.hidden}" + (f", tied, {tie}" if args.tied else "")
+                options = MergeOptions(quiet=True)
+                extra = {"learn": args.learn} if args.learn else {}
+                row = pair_row(
+                    label,
+                    a,
+                    b,
+                    args.steps,
+                    work,
+                    options,
+                    tied_embeddings=tie,
+                    matching=matching,
+                    **extra,
+                )
+                print(row, flush=True)
 
 
 if __name__ == "__main__":

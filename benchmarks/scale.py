@@ -1,7 +1,7 @@
 """Time and peak memory of every pass at the shapes users merge, as ratios to one model.
 
     python benchmarks/scale.py [--shapes d256 160m 410m 1b llama-gqa]
-        [--passes lmc_dm subclone ls_merge learn] [--work DIR] [--rounds N]
+        [--passes lmc_dm activations subclone ls_merge learn] [--work DIR] [--rounds N]
 
 Builds (once, under ``--work``) a pair of random-initialised checkpoints per shape: GPT-NeoX of
 Pythia shapes (d=256 ×4 layers, 160M, 410M, 1B; vocabulary 4096, the zoo's tokenizer) and one
@@ -14,6 +14,8 @@ serialised copy):
 
 - ``lmc_dm``: ``steps: 0`` (weight matching, writing both inputs, the self-check, the merge);
   also the seconds per weight-matching round and of writing + self-check;
+- ``activations``: the same with ``matching: activations`` (64 calibration sequences of 128
+  tokens read by both models, block by block); also the seconds of activation matching;
 - ``subclone``: ``subclone_compensate`` to half the width and MLP (compensation on);
 - ``ls_merge``: encoding both inputs with an autoencoder given to the recipe (trained
   beforehand on the pair for ``--ae-steps`` steps, in its own process: the measured pass is the
@@ -60,7 +62,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
         },
     ),
 }
-PASSES = ("lmc_dm", "subclone", "ls_merge", "learn")
+PASSES = ("lmc_dm", "activations", "subclone", "ls_merge", "learn")
 VOCAB = 4096
 SEQ_LEN = 128
 
@@ -116,12 +118,13 @@ def build_worker(shape: str, work: Path) -> None:
 def recipe(kind: str, a: Path, b: Path, args) -> dict:
     """The recipe the pass ``kind`` runs."""
     both = [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)]
-    if kind == "lmc_dm":
+    if kind in ("lmc_dm", "activations"):
+        matching = "weights" if kind == "lmc_dm" else "activations"
         return {
             "merge_method": "lmc_dm",
             "models": both,
             "dtype": "float32",
-            "alignment": {"steps": 0, "evaluate": False}
+            "alignment": {"matching": matching, "steps": 0, "evaluate": False}
             | ({"max_iterations": args.rounds} if args.rounds else {}),
         }
     if kind == "subclone":
@@ -206,6 +209,9 @@ def measure_pass(kind: str, a: Path, b: Path, fp32: int, work: Path, args) -> di
         row["rounds"] = match["iterations"]
         row["per_round"] = match["seconds"] / match["iterations"]
         row["write_check"] = report["seconds"].get("writing_and_self_check")
+    if kind == "activations":
+        report = json.loads((run / "out" / "lmc_report.json").read_text())
+        row["matching_seconds"] = report["matching"][0]["seconds"]
     shutil.rmtree(run / "cache", ignore_errors=True)
     return row
 
@@ -327,6 +333,8 @@ def main() -> None:
                 continue
             row = measure_pass(kind, a, b, fp32, args.work, args)
             detail = ""
+            if kind == "activations":
+                detail = f"activation matching {row['matching_seconds']:.1f} s"
             if kind == "lmc_dm":
                 detail = (
                     f"{row['rounds']} rounds, {row['per_round']:.1f} s each; write + "

@@ -36,8 +36,9 @@ from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.group import symmetry_group
 from lmc_mergekit.symmetry.parametrize import FAMILIES, PARAMETRIZATIONS, LearnedSymmetry
+from lmc_mergekit.symmetry.projection import nearest_permutation
 from lmc_mergekit.symmetry.rope import rope_commutation_error
-from lmc_mergekit.symmetry.transform import save_transform
+from lmc_mergekit.symmetry.transform import is_signed_permutation, save_transform
 
 ATOL = 5e-5
 EVAL = {"seq_len": 64, "eval_sequences": 64, "points": 5}
@@ -49,8 +50,10 @@ def randomized(spec, parametrization="polar", families=FAMILIES, seed=0) -> Lear
     symmetry = LearnedSymmetry(spec, families, parametrization)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in symmetry.parameters():
-            param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+        for name, param in symmetry.named_parameters():
+            # Scores far enough from the identity's that the learned permutation moves.
+            spread = 2.0 if name == "residual_scores" else 0.2
+            param.copy_(spread * torch.randn(param.shape, generator=generator))
     return symmetry
 
 
@@ -70,7 +73,12 @@ def test_learned_symmetries_keep_the_function(model_dirs, tmp_path, variant, par
     transform = randomized(view.spec, parametrization).frozen_transform()
     transform.check_fits(view.spec)  # orthogonal, ones-fixing for LayerNorm, RoPE-commuting
     learnable = symmetry_group(view.spec).learnable
-    assert (transform.rotation is not None) == ("residual" in learnable)
+    assert transform.rotation is not None  # a rotation, or a learned (signed) permutation
+    if "permutation" in learnable:
+        eye = torch.eye(view.spec.hidden_size, dtype=transform.rotation.dtype)
+        assert is_signed_permutation(transform.rotation) and not torch.equal(
+            transform.rotation.abs(), eye
+        )
     assert transform.scale != 1.0
     assert (transform.layers[0].qk is not None) == ("qk" in learnable)
     if view.spec.rotary_dims and "qk" in learnable:
@@ -78,6 +86,22 @@ def test_learned_symmetries_keep_the_function(model_dirs, tmp_path, variant, par
     view.adapter.save(apply_transform(view, transform), tmp_path / "out", src, progress=False)
     ids = probe_ids()
     torch.testing.assert_close(logits(tmp_path / "out", ids), logits(src, ids), atol=ATOL, rtol=0)
+
+
+def test_a_learned_permutation_is_exact_with_the_gradient_of_its_scores(model_dirs):
+    """The straight-through estimator: the value is the exact signed permutation that best
+    fits the scores (what gets written), the gradient reaches the scores unchanged."""
+    spec = open_model(model_dirs["gemma2_softcap_windows"]).spec
+    symmetry = randomized(spec, families=("permutation",), seed=5)
+    rotation = symmetry.rotation()
+    assert is_signed_permutation(rotation.detach().double())
+    best = nearest_permutation(symmetry.residual_scores.detach() + torch.eye(spec.hidden_size))
+    assert torch.equal(rotation.detach().double(), best)
+    target = torch.randn(rotation.shape, generator=torch.Generator().manual_seed(0))
+    (rotation * target).sum().backward()
+    assert torch.equal(symmetry.residual_scores.grad, target)
+    written = symmetry.frozen_transform().rotation
+    assert torch.equal(written, best)  # exactly ±1 and 0, no straight-through residue
 
 
 def test_zero_parameters_are_the_identity(model_dirs):
@@ -109,7 +133,12 @@ def test_objective_is_the_loss_of_the_mixed_checkpoint(tmp_path, variant):
     views = [open_model(a), open_model(b)]
     absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
     ends = [materialize(apply_transform(v, absorb)) for v in views]
-    symmetries = [randomized(ends[0].spec, seed=s) for s in (3, 4)]
+    # As learn_symmetries: no scale for the first (its checkpoint's eps is the mix's).
+    first = tuple(f for f in FAMILIES if f != "scale")
+    symmetries = [
+        randomized(ends[0].spec, families=first, seed=3),
+        randomized(ends[0].spec, seed=4),
+    ]
     model = BlockRunner(a, views[0].adapter, ends[0].spec, CPU)
     weights = torch.tensor([0.3, 0.7])
     ids = probe_ids(shape=(3, 16))

@@ -72,7 +72,8 @@ def test_scramble_then_lmc_dm_merges_a_model_with_its_copy_into_itself(
     assert (logits(tmp_path / "linear", ids) - expected).abs().max() < ATOL
     # Weight matching undoes the scramble, so the average is the model itself.
     out = tmp_path / "dm"
-    result = run_yaml(recipe("lmc_dm", [model, copy], steps=0, evaluate=False), tmp_path, out)
+    body = recipe("lmc_dm", [model, copy], matching="weights", steps=0, evaluate=False)
+    result = run_yaml(body, tmp_path, out)
     assert result.exit_code == 0, result.output
     assert (logits(out, ids) - expected).abs().max() < 1e-4
 
@@ -108,7 +109,8 @@ def test_learned_matching_learns_what_the_family_admits(with_text, tmp_path, var
     report = yaml.safe_load((out / "lmc_report.json").read_text())
     assert report["learning"]["steps"] == LEARNING["steps"]
     group = symmetry_group(open_model(a).spec)
-    assert report["learning"]["families"] == list(group.learnable)
+    # Every family the model admits, but the learned permutation (opt-in: learn: permutation).
+    assert report["learning"]["families"] == [f for f in group.learnable if f != "permutation"]
     ids = probe_ids()
     assert torch.isfinite(logits(out, ids)).all()
     prepared = sorted((tmp_path / "lmc-cache" / "lmc_dm").glob("*/model-*"))

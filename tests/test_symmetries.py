@@ -55,12 +55,12 @@ def test_symmetry_preserves_logits(model_dirs, tmp_path, variant, kind):
     src = model_dirs[variant]
     spec = open_model(src).spec
     if kind == "qk" and not symmetry_group(spec).qk_maps:
-        # QK-norm: no QK maps to apply; one is refused, naming the feature.
+        # QK-norm: a full RoPE-commuting map is refused, naming the feature; the diagonal maps
+        # random_transform draws (signs and gains) are checked below.
         maps = random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, generator())
         layers = (LayerTransform(qk=maps),) * spec.num_layers
         with pytest.raises(LmcError, match="QK-norm"):
             apply_transform(open_model(src), Transform(spec.num_layers, layers=layers))
-        return
     transform = only(kind, random_transform(spec, seed=1))
     ids = probe_ids()
     moved, _ = transformed_logits(src, tmp_path / "out", transform, ids)
@@ -193,3 +193,39 @@ def test_gpt_neox_rotary_fractions(tmp_path_factory, seed, rotary_pct, parallel)
     ids = probe_ids(seed)
     moved, _ = transformed_logits(src, root / "out", transform, ids)
     torch.testing.assert_close(moved, logits(src, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_qk_norm_gqa", "gemma3_text", "olmo2"])
+def test_what_a_qk_norm_leaves_is_exact_and_nothing_more(model_dirs, tmp_path, variant):
+    """Under a QK-norm, per-pair signs on the rows and scales traded between the q_norm and
+    k_norm gains keep the logits; a scale that differs between heads sharing a gain, or one
+    that differs within a rotary pair, is refused."""
+    src = model_dirs[variant]
+    view = open_model(src)
+    spec, group = view.spec, symmetry_group(view.spec)
+    half, hkv, dh = spec.rotary_dims // 2, spec.num_kv_heads, spec.head_dim
+    values = torch.linspace(0.5, 2.0, dh - half, dtype=torch.float64)
+    values = torch.where(torch.arange(dh - half) % 2 == 0, -values, values)  # signs too
+    per_dim = torch.cat([values[:half], values[:half], values[half:]])
+    maps = torch.diag_embed(per_dim.expand(hkv, dh).clone())
+    transform = Transform(spec.num_layers, layers=(LayerTransform(qk=maps),) * spec.num_layers)
+    ids = probe_ids()
+    moved, _ = transformed_logits(src, tmp_path / "out", transform, ids)
+    torch.testing.assert_close(moved, logits(src, ids), atol=ATOL, rtol=0)
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    gains = [k for k in after if k.endswith("q_norm.weight")]
+    assert gains and not torch.equal(
+        after[gains[0]], load_file(src / "model.safetensors")[gains[0]]
+    )
+
+    split = maps.clone()
+    split[0, 0, 0] *= 1.5  # the two dims of a rotary pair scaled differently
+    bad = [split]
+    if group.qk == "shared_gains" and hkv > 1:
+        per_head = maps.clone()
+        per_head[1] *= 2.0  # heads that share a gain scaled differently
+        bad.append(per_head)
+    for maps in bad:
+        layers = (LayerTransform(qk=maps),) * spec.num_layers
+        with pytest.raises(LmcError):
+            apply_transform(view, Transform(spec.num_layers, layers=layers))

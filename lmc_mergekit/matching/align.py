@@ -1,13 +1,14 @@
-"""Aligning several models into one basin: weight matching onto the first, then (optionally)
-learned matching of every model at once. The ``lmc_dm`` pass and the benchmarks both run this.
+"""Aligning several models into one basin: weight or activation matching onto the first, then
+(optionally) learned matching of every model at once. The ``lmc_dm`` pass and the benchmarks both
+run this.
 
-Every model is compared with its norms absorbed. The first is the reference: weight matching
-moves each other one onto it; learned matching then trains continuous symmetries of all of them
-(the first too, unless one-sided) on calibration sequences, starting from the weight-matched
-models. With a ``state_dir``, weight matching's result is kept there so that a run interrupted
-during learning resumes without matching again (learned matching checkpoints itself there too).
-Under several processes weight matching runs in the main process and its result reaches the
-others.
+Every model is compared with its norms absorbed. The first is the reference: matching moves each
+other one onto it (by its weights, or by its activations on calibration text); learned matching
+then trains continuous symmetries of all of them (the first too, unless one-sided) on calibration
+sequences, starting from the matched models. With a ``state_dir``, matching's result is kept
+there so that a run interrupted during learning resumes without matching again (learned matching
+checkpoints itself there too). Under several processes matching runs in the main process and its
+result reaches the others.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from lmc_mergekit.matching.activation_matching import match_activations
 from lmc_mergekit.matching.learned_matching import LearningConfig, LearningResult, learn_symmetries
 from lmc_mergekit.matching.weight_matching import match_weights
 from lmc_mergekit.models.adapters.base import CheckpointView
@@ -29,20 +31,28 @@ from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
 
-# Inside the state folder: the weight-matching transform of model i (i ≥ 1).
+# Inside the state folder: the matching transform of model i (i ≥ 1).
 MATCHED_FILE = "weight-matching-{}.safetensors"
+Matching = Literal["none", "weights", "activations"]
 
 
 @dataclass(frozen=True)
 class AlignConfig:
-    """``matching``: ``weights`` (weight matching, then learned matching when ``learning`` is
+    """``matching``: ``weights`` or ``activations`` (then learned matching when ``learning`` is
     given) or ``none`` (the models as they are: the baseline); ``max_iterations``: most rounds of
-    weight matching; ``keep_tie``: tied embeddings stay tied (the models must tie them)."""
+    weight matching; ``activation_sequences``: calibration sequences activation matching reads;
+    ``keep_tie``: tied embeddings stay tied (the models must tie them)."""
 
-    matching: Literal["none", "weights"] = "weights"
+    matching: Matching = "weights"
     max_iterations: int = 30
     learning: LearningConfig | None = None
     keep_tie: bool = False
+    activation_sequences: int = 64
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether this alignment needs calibration text."""
+        return self.learning is not None or self.matching == "activations"
 
 
 @dataclass
@@ -69,21 +79,23 @@ def align(
     trust_remote_code: bool = False,
     on_checkpoint: Callable[[int, list[Transform]], None] | None = None,
 ) -> Alignment:
-    """Align ``views`` (one architecture and shape; the first is the reference). Learned
-    matching (``config.learning``) trains on ``calibration`` token ids ``(n, L)``."""
+    """Align ``views`` (one architecture and shape; the first is the reference). Activation
+    matching reads and learned matching (``config.learning``) trains on ``calibration`` token ids
+    ``(n, L)``."""
     processes = processes or Processes()
     started = time.perf_counter()
     runner = None
-    # Before matching: a model that cannot learn fails first (in every process, or it stops all).
+    # Before matching: a model that cannot run block by block fails first (in every process, or
+    # it stops all).
     with processes.together():
-        if config.learning is not None:
+        if config.reads_text:
             absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
             absorbed = apply_transform(views[0], absorb)
             runner = block_runner(views[0], absorbed.spec, torch.device(device), trust_remote_code)
     keep = state_dir if config.learning is not None else None
     # Once, in the main process (the only one that keeps it); every process gets its result.
     matched, matching = processes.from_main(
-        lambda: match_all(views, config, state_dir, keep, progress, device)
+        lambda: match_all(views, config, state_dir, keep, progress, device, runner, calibration)
     )
     alignment = Alignment(matched, matched, matching)
     alignment.seconds["matching"] = time.perf_counter() - started
@@ -113,10 +125,13 @@ def match_all(
     keep_in: Path | None = None,
     progress: bool = False,
     device: torch.device | str = "cpu",
+    runner: BlockRunner | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> tuple[list[Transform], list[dict]]:
     """Every model's transform onto the first (the first's absorbs its norms) and a record per
     other model; a transform saved in ``reuse_from`` is reused, a new one saved in ``keep_in``
-    (weight matching's heavy products run on ``device``)."""
+    (weight matching's heavy products run on ``device``; activation matching runs the first
+    ``config.activation_sequences`` of ``calibration`` through ``runner``)."""
     absorb = config.matching != "none"
     keep_tie = absorb and config.keep_tie
     transforms = [Transform(views[0].spec.num_layers, absorb_norms=absorb, keep_tie=keep_tie)]
@@ -128,29 +143,40 @@ def match_all(
         saved = None if reuse_from is None else reuse_from / MATCHED_FILE.format(index)
         if saved is not None and saved.is_file():
             transforms.append(load_transform(saved))
-            records.append({"model": str(view.folder), "reused": str(saved)})
+            records.append(
+                {"model": str(view.folder), "matching": config.matching, "reused": str(saved)}
+            )
             continue
-        result = match_weights(
-            views[0],
-            view,
-            max_iterations=config.max_iterations,
-            device=device,
-            progress=progress,
-            keep_tie=keep_tie,
-        )
-        transforms.append(result.transform)
+        if config.matching == "activations":
+            sequences = calibration[: config.activation_sequences]
+            found = match_activations(
+                views[0], view, runner, sequences, keep_tie=keep_tie, progress=progress
+            )
+            transform, record = found.transform, found.record()
+        else:
+            result = match_weights(
+                views[0],
+                view,
+                max_iterations=config.max_iterations,
+                device=device,
+                progress=progress,
+                keep_tie=keep_tie,
+            )
+            transform, record = (
+                result.transform,
+                {
+                    "matching": "weights",
+                    "iterations": result.iterations,
+                    "layers_solved": list(result.solved),
+                    "seconds": round(result.seconds, 3),
+                    "relative_distance": {"before": result.distances[0], "after": result.distance},
+                },
+            )
+        transforms.append(transform)
         if keep_in is not None:
             keep_in.mkdir(parents=True, exist_ok=True)
-            save_transform(result.transform, keep_in / MATCHED_FILE.format(index))
-        records.append(
-            {
-                "model": str(view.folder),
-                "iterations": result.iterations,
-                "layers_solved": list(result.solved),
-                "seconds": round(result.seconds, 3),
-                "relative_distance": {"before": result.distances[0], "after": result.distance},
-            }
-        )
+            save_transform(transform, keep_in / MATCHED_FILE.format(index))
+        records.append({"model": str(view.folder), **record})
     return transforms, records
 
 

@@ -96,3 +96,39 @@ def _balancing_scale(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     ok = (nx > 0) & (ny > 0)
     c = torch.where(ok, (ny / nx.where(ok, torch.ones_like(nx))).sqrt(), torch.ones_like(nx))
     return c[..., None, None]
+
+
+def fit_normed_qk_maps(
+    xa: torch.Tensor,
+    ya: torch.Tensor,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    gains_a: tuple[torch.Tensor, torch.Tensor],
+    gains_b: tuple[torch.Tensor, torch.Tensor],
+    rotary_dims: int,
+) -> torch.Tensor:
+    """Diagonal QK maps of a QK-norm model (:mod:`lmc_mergekit.symmetry.group`) taking B's
+    heads onto A's: per key/value head and dim (pairs together) the sign under which B's query
+    and key rows ``(X, Y)`` correlate with A's, times the scale ``c`` that best balances the
+    gains (``γ_q·c ≈ γ_q,A``, ``γ_k/c ≈ γ_k,A`` in logs). ``gains_*`` are the query and key
+    gains as ``(heads, dh)`` (one row when all heads share them), query gains per key/value
+    group. Shapes as :func:`fit_free_maps`; the maps come back as ``(Hkv, dh, dh)``."""
+    hkv, dh = xa.shape[0], xa.shape[1]
+    half = rotary_dims // 2
+    first, second = rotary_pairs(rotary_dims)
+
+    def paired(values: torch.Tensor) -> torch.Tensor:
+        """Per dim, the sum over its pair (pairs share one value)."""
+        out = values.clone()
+        out[..., first] = out[..., second] = values[..., first] + values[..., second]
+        return out
+
+    score = paired((xa * xb).sum(-1) + (ya * yb).sum(-1))
+    sign = torch.where(score < 0, -1.0, 1.0).to(xa.dtype)
+    (qa, ka), (qb, kb) = gains_a, gains_b
+    log = lambda g: g.abs().clamp_min(1e-12).log()  # noqa: E731
+    balance = ((log(qa) - log(qb)) - (log(ka) - log(kb))) / 2  # (heads, dh)
+    counts = torch.ones(dh, dtype=xa.dtype)
+    counts[:half] = counts[half : 2 * half] = 2
+    scale = (paired(balance) / counts).exp().expand(hkv, dh)
+    return torch.diag_embed(sign * scale)

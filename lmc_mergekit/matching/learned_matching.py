@@ -38,7 +38,7 @@ from lmc_mergekit.models.view import ModelView
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.rollback import TrainingState
 from lmc_mergekit.runtime.schedule import warmup_cosine
-from lmc_mergekit.symmetry.group import symmetry_group
+from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
 from lmc_mergekit.symmetry.parametrize import (
     FAMILIES,
     Diverged,
@@ -65,7 +65,7 @@ class LearningConfig:
     weight_decay: float = 0.0
     sampler: Sampler = "uniform"
     dual: bool = True
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[str, ...] = DEFAULT_FAMILIES
     parametrization: Parametrization = "polar"
     checkpoint_every: int = 50
     seed: int = 0

@@ -8,9 +8,9 @@ Each solver takes the cross-correlation ``K = Σ X_Bᵀ·X_A`` of row sets that 
 from __future__ import annotations
 
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from lmc_mergekit.symmetry.group import Residual
+from lmc_mergekit.symmetry.projection import nearest_permutation
 from lmc_mergekit.symmetry.sampling import ones_complement_basis, ones_fixing_rotation
 
 
@@ -24,33 +24,9 @@ def residual_procrustes(k: torch.Tensor, group: Residual) -> torch.Tensor:
     """The ``R`` of the residual ``group`` maximising ``tr(Rᵀ·K)``."""
     if group == "ones_fixing":
         return ones_fixing_procrustes(k)
-    if group == "signed_permutation":
-        return signed_permutation_procrustes(k)
-    if group == "permutation":
-        return permutation_procrustes(k)
+    if group in ("signed_permutation", "permutation"):
+        return nearest_permutation(k, signed=group == "signed_permutation")
     return orthogonal_procrustes(k)
-
-
-def permutation_procrustes(k: torch.Tensor) -> torch.Tensor:
-    """Like :func:`orthogonal_procrustes`, restricted to permutations: the linear assignment
-    maximising ``Σ K[i, π(i)]``."""
-    k = k.double()
-    rows, cols = linear_sum_assignment(k.numpy(), maximize=True)
-    r = torch.zeros_like(k)
-    r[torch.as_tensor(rows), torch.as_tensor(cols)] = 1.0
-    return r
-
-
-def signed_permutation_procrustes(k: torch.Tensor) -> torch.Tensor:
-    """Like :func:`orthogonal_procrustes`, restricted to signed permutations: with
-    ``R[i, π(i)] = s_i`` the objective is ``Σ s_i·K[i, π(i)]``, so ``π`` is the linear
-    assignment maximising ``Σ |K[i, π(i)]|`` and ``s_i`` the sign of what it picks."""
-    k = k.double()
-    rows, cols = linear_sum_assignment(k.abs().numpy(), maximize=True)
-    rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
-    r = torch.zeros_like(k)
-    r[rows, cols] = torch.where(k[rows, cols] < 0, -1.0, 1.0).double()
-    return r
 
 
 def ones_fixing_procrustes(k: torch.Tensor) -> torch.Tensor:

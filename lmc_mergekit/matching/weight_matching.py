@@ -46,11 +46,12 @@ from lmc_mergekit.matching.assignment import (
     match_heads,
     neuron_similarity,
 )
-from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
+from lmc_mergekit.matching.head_maps import fit_free_maps, fit_normed_qk_maps, fit_rope_maps
 from lmc_mergekit.matching.procrustes import residual_procrustes
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.checkpoint import CheckpointReader, MetaReader, RowsReader
 from lmc_mergekit.models.view import (
+    Attention,
     Block,
     Embeddings,
     Head,
@@ -349,16 +350,30 @@ def match_layer(
         current = None if previous is None else previous.ffn_perm
         ffn_perm, _ = best_permutation(_cpu64(neuron_similarity(a.mlp, b.mlp)), current)
     attn = permute_heads(attn_b, spec, head_perm)
-    qk = None
+    xa, ya = circuit_blocks(attn_a, spec, "qk")
+    xb, yb = circuit_blocks(attn, spec, "qk")
     if symmetry_group(spec).qk_maps:
-        xa, ya = circuit_blocks(attn_a, spec, "qk")
-        xb, yb = circuit_blocks(attn, spec, "qk")
         qk = fit_rope_maps(xa, ya, xb, yb, spec.rotary_dims).mT
+    else:
+        qk = fit_normed_qk_maps(
+            xa, ya, xb, yb, qk_gains(attn_a, spec), qk_gains(attn, spec), spec.rotary_dims
+        )
     xa, ya = circuit_blocks(attn_a, spec, "ov")
     xb, yb = circuit_blocks(attn, spec, "ov")
     ov = fit_free_maps(xa, ya, xb, yb)
     # The fitted A act on rows (X ← A·X); the transform stores M with W_q ← Mᵀ·W_q, i.e. Aᵀ.
     return LayerTransform(head_perm=head_perm, ffn_perm=ffn_perm, qk=qk, ov=ov.mT)
+
+
+def qk_gains(attn: Attention, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query and key norm gains as ``(heads, dh)``: one row when every head shares them,
+    else per key/value group (a query gain per group: the geometric mean of its heads')."""
+    q, k = attn.q_norm.gain, attn.k_norm.gain
+    if spec.qk_norm == "head":
+        return q[None], k[None]
+    q = q.reshape(spec.num_kv_heads, spec.group_size, spec.head_dim)
+    q = q.abs().clamp_min(1e-12).log().mean(1).exp()
+    return q, k.reshape(spec.num_kv_heads, spec.head_dim)
 
 
 def _same_assignment(x: LayerTransform, y: LayerTransform) -> bool:

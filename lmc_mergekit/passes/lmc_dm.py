@@ -1,11 +1,12 @@
 """``lmc_dm``: move every input into one basin by symmetries, then measure the paths.
 
-The pre-merge pass writes every input with its norms absorbed, moved by weight matching onto
-the first (``matching: weights``) and, with ``steps > 0``, by the continuous symmetries learned
-matching trained for all of them (:func:`lmc_mergekit.matching.align.align`); each is
-self-checked. The measurement evaluates the loss along the path from the first input to each
-other one on the test split, for the raw checkpoints, after weight matching and after learned
-matching, and the merged model's own loss; it writes ``lmc_report.json`` and ``lmc_barrier.png``.
+The pre-merge pass writes every input with its norms absorbed, moved by weight or activation
+matching onto the first (``matching: weights | activations``) and, with ``steps > 0``, by the
+continuous symmetries learned matching trained for all of them
+(:func:`lmc_mergekit.matching.align.align`); each is self-checked. The measurement evaluates the
+loss along the path from the first input to each other one on the test split, for the raw
+checkpoints, after matching and after learned matching, and the merged model's own loss; it
+writes ``lmc_report.json`` and ``lmc_barrier.png``.
 """
 
 from __future__ import annotations
@@ -16,25 +17,38 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from lmc_mergekit.data.tokenizer import has_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot_paths
-from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, align
+from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, Matching, align
 from lmc_mergekit.matching.learned_matching import LearningConfig
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
-from lmc_mergekit.models.checkpoint import stored_dtype
+from lmc_mergekit.models.checkpoint import model_dir, stored_dtype
 from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
 from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.symmetry import Transform
+from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
 from lmc_mergekit.transform_checkpoint import transform_checkpoint
 
 # Learned-matching steps when a recipe does not say (about a minute for a d=128 pair on 2 cores).
 DEFAULT_STEPS = 200
 PLOT_FILE = "lmc_barrier.png"
-LABELS = {"raw": "raw", "matched": "weight matching", "learned": "learned matching"}
+LABELS = {"raw": "raw", "learned": "learned matching"}
+
+
+def path_label(kind: str, matching: list[dict]) -> str:
+    """How the report and the plot name the path ``kind`` (raw, matched, learned), the
+    matched one by the matching the records say ran."""
+    if kind != "matched":
+        return LABELS[kind]
+    ran = next((r["matching"] for r in matching if "matching" in r), "weights")
+    return f"{ran.removesuffix('s')} matching"  # weight / activation
+
+
 # Settings that only learned matching reads (they change nothing with steps: 0).
 LEARNING_KEYS = (
     "lr",
@@ -47,11 +61,9 @@ LEARNING_KEYS = (
     "parametrization",
     "checkpoint_every",
     "seed",
-    "calibration_sequences",
-    "data",
-    "field",
-    "seq_len",
 )
+# Settings of the calibration text (read by learned and activation matching).
+TEXT_KEYS = ("calibration_sequences", "data", "field", "seq_len")
 
 
 class AlignmentSettings(TextSettings):
@@ -60,10 +72,12 @@ class AlignmentSettings(TextSettings):
     merge_only: ClassVar[tuple[str, ...]] = ("combine",)
     measure_only: ClassVar[tuple[str, ...]] = (*TextSettings.measure_only, "points")
 
-    matching: Literal["none", "weights"] = Field(
-        "weights",
+    matching: Literal["auto", "none", "weights", "activations"] = Field(
+        "auto",
         description="none: merge the raw checkpoints (the baseline); weights: start from weight "
-        "matching",
+        "matching; activations: from activation matching on calibration text; auto: "
+        "activations where the residual group is discrete (post-norm and sandwich-norm "
+        "families, kept ties), weights elsewhere",
     )
     steps: int = Field(
         DEFAULT_STEPS,
@@ -86,11 +100,14 @@ class AlignmentSettings(TextSettings):
     dual: bool = Field(
         True, description="learn the first model's symmetries too (false: one-sided)"
     )
-    learn: list[Literal["residual", "scale", "qk", "ov"]] = Field(
-        ["residual", "scale", "qk", "ov"], description="the symmetry families learned"
+    learn: list[Literal["residual", "permutation", "scale", "qk", "ov"]] = Field(
+        list(DEFAULT_FAMILIES), description="the symmetry families learned"
     )
     parametrization: Literal["polar", "cayley", "matrix_exp", "unconstrained"] = Field(
         "polar", description="how maps are parametrised (see symmetry.parametrize)"
+    )
+    activation_sequences: int = Field(
+        64, ge=1, description="activation matching: calibration sequences both models read"
     )
     checkpoint_every: int = Field(
         50, ge=1, description="learned matching: steps between resumable checkpoints"
@@ -127,18 +144,33 @@ class AlignmentSettings(TextSettings):
 
     def preparation_settings(self) -> dict:
         settings = super().preparation_settings()
-        if not self.steps:  # weight matching alone reads no text
-            for key in LEARNING_KEYS:
-                settings.pop(key, None)
+        unread = set()
+        if not self.steps:
+            unread |= set(LEARNING_KEYS)
+        if self.matching not in ("activations", "auto"):
+            unread.add("activation_sequences")
+            if not self.steps:  # weight matching alone reads no text
+                unread |= set(TEXT_KEYS)
+        for key in unread:
+            settings.pop(key, None)
         return settings
+
+    def resolved_matching(self, spec: ModelSpec, with_text: bool = True) -> Matching:
+        """The matching these settings run on models of ``spec`` (``auto`` resolved; models
+        without a tokenizer (``with_text`` false) have no text to be matched on)."""
+        if self.matching != "auto":
+            return self.matching
+        keep_tie = spec.tied_embeddings and self.tied_embeddings == "keep"
+        discrete = symmetry_group(spec, keep_tie).residual in ("signed_permutation", "permutation")
+        return "activations" if discrete and with_text else "weights"
 
     def combining_method(self) -> str | None:
         return self.combine
 
-    def align_config(self, tied: bool) -> AlignConfig:
-        """What :func:`~lmc_mergekit.matching.align.align` does for these settings, on models
-        that tie their embeddings (``tied``) or not."""
-        keep_tie = tied and self.tied_embeddings == "keep"
+    def align_config(self, spec: ModelSpec, with_text: bool = True) -> AlignConfig:
+        """What :func:`~lmc_mergekit.matching.align.align` does for these settings on models of
+        ``spec`` (that have tokenizers, or not: ``with_text``)."""
+        keep_tie = spec.tied_embeddings and self.tied_embeddings == "keep"
         learning = None
         if self.steps:
             learning = LearningConfig(
@@ -155,7 +187,13 @@ class AlignmentSettings(TextSettings):
                 seed=self.seed,
                 keep_tie=keep_tie,
             )
-        return AlignConfig(self.matching, self.max_iterations, learning, keep_tie)
+        return AlignConfig(
+            self.resolved_matching(spec, with_text),
+            self.max_iterations,
+            learning,
+            keep_tie,
+            self.activation_sequences,
+        )
 
 
 class LearningRecord(Record):
@@ -258,7 +296,8 @@ class AlignmentReport(Report):
         if note := self.data.tokenizer_note():
             lines.append(note + "\n")
         lines += [
-            "| models | endpoint losses | raw | weight matching | learned matching |",
+            f"| models | endpoint losses | raw | {path_label('matched', self.matching)} | "
+            "learned matching |",
             "|---|---|---|---|---|",
         ]
         for pair in self.pairs:
@@ -286,12 +325,14 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         views = ctx.open_inputs()
         if len(views) < 2:
             raise LmcError("lmc_dm merges two or more models; the recipe lists one")
-        config = settings.align_config(views[0].spec.tied_embeddings)
+        with_text = all(has_tokenizer(model_dir(path)) for path in ctx.inputs)
+        config = settings.align_config(views[0].spec, with_text)
         ctx.load_test()  # data before any heavy work
         calibration = None
-        if config.learning is not None:
+        if config.reads_text:
+            fix = "use matching: weights and steps: 0"
             calibration = load_recipe_split(
-                ctx.inputs, settings, "train", settings.calibration_sequences, "use steps: 0"
+                ctx.inputs, settings, "train", settings.calibration_sequences, fix
             )
     alignment = align(
         views,
@@ -391,7 +432,7 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
                 device=pass_device(ctx.options),
                 progress=ctx.progress,
             )
-            label = LABELS[kind]
+            label = path_label(kind, preparation.matching)
             curves[label if len(ctx.inputs) == 2 else f"{label}, 1→{index + 1}"] = paths[kind]
         report.pairs.append(PairPaths(a=str(ctx.inputs[0]), b=str(ctx.inputs[index]), **paths))
     report.merged = MergedLoss(

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from mergekit.options import MergeOptions
 
-from lmc_mergekit.passes.lmc_dm import PLOT_FILE, AlignmentReport
+from lmc_mergekit.passes.lmc_dm import PLOT_FILE, AlignmentReport, path_label
 from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.runtime.publish import check_output_free
 from lmc_mergekit.zoo import build_zoo
@@ -33,7 +33,7 @@ class DemoResult:
             f"barrier {label + ':':<24}{path.barrier:.3f} nats"
             for path, label in (
                 (pair.raw, "before alignment"),
-                (pair.matched, "after weight matching"),
+                (pair.matched, "after " + path_label("matched", self.report.matching)),
                 (pair.learned, "after learned matching"),
             )
             if path is not None

@@ -329,6 +329,8 @@ def permute_ffn(mlp: MLP, perm: torch.Tensor) -> MLP:
 
 def apply_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
     """``q ← q·M_j`` for every query head of group ``j`` and ``k_j ← k_j·M_j⁻ᵀ``."""
+    if spec.qk_norm != "none":
+        return _apply_normed_qk_maps(attn, spec, maps)
     hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
     inv = torch.linalg.inv(maps)
     q = torch.einsum("jba,jgbd->jgad", maps, attn.q.reshape(hkv, g, dh, -1))
@@ -340,6 +342,38 @@ def apply_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Atten
         k_bias = torch.einsum("jb,jab->ja", attn.k_bias.reshape(hkv, dh), inv).reshape(-1)
     return replace(
         attn, q=q.reshape(attn.q.shape), k=k.reshape(attn.k.shape), q_bias=q_bias, k_bias=k_bias
+    )
+
+
+def _apply_normed_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
+    """Diagonal QK maps under a QK-norm (:mod:`.group`): their signs flip rows of ``W_q`` and
+    ``W_k`` (the norm commutes with that), their magnitudes scale the ``q_norm`` gain and divide
+    the ``k_norm`` one (a per-head norm's gain is shared by all heads: kv head 0's scales)."""
+    hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
+    diagonal = maps.diagonal(dim1=-2, dim2=-1)  # (hkv, dh)
+    sign, magnitude = torch.sign(diagonal), diagonal.abs()
+
+    def signed(x: torch.Tensor | None, per_query: bool) -> torch.Tensor | None:
+        if x is None:
+            return None
+        signs = sign[:, None, :].expand(hkv, g, dh) if per_query else sign
+        rows = x.reshape(*signs.shape, *x.shape[1:])
+        return (rows * signs.reshape(*signs.shape, *([1] * (x.dim() - 1)))).reshape(x.shape)
+
+    if spec.qk_norm == "head":
+        q_scale, k_scale = magnitude[0], magnitude[0]
+    else:
+        q_scale = magnitude[:, None, :].expand(hkv, g, dh).reshape(-1)
+        k_scale = magnitude.reshape(-1)
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    return replace(
+        attn,
+        q=signed(attn.q, True),
+        k=signed(attn.k, False),
+        q_bias=signed(attn.q_bias, True),
+        k_bias=signed(attn.k_bias, False),
+        q_norm=q_norm.with_gain(q_norm.gain * q_scale.to(q_norm.weight), q_norm.bias),
+        k_norm=k_norm.with_gain(k_norm.gain / k_scale.to(k_norm.weight), k_norm.bias),
     )
 
 

@@ -14,7 +14,12 @@ the learned parametrisations and size conversion all ask it (reference notes §2
 - head and FFN neuron permutations, always (GQA-aware: whole key/value groups);
 - QK maps (RoPE-commuting on rotary pairs, free on the other dims) unless queries and keys are
   normalised after their projection: a norm is not equivariant under a non-orthogonal map, and
-  its elementwise gain blocks the rotations;
+  its elementwise gain blocks the rotations. What a QK-norm leaves are **diagonal** QK maps:
+  per key/value head a sign on each rotary pair (and each other dim), applied to the rows of
+  ``W_q`` and ``W_k`` (a norm commutes with sign flips, RoPE with a pair turned by π), times a
+  positive scale traded between the ``q_norm`` and ``k_norm`` gains, equal on both dims of a
+  pair; a per-head norm's gain is shared by all heads, so its scales are too (``qk:
+  shared_gains``), a norm over the whole projection has a gain per head (``head_gains``);
 - OV maps, always.
 """
 
@@ -27,8 +32,15 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.view import ModelSpec
 
 Residual = Literal["orthogonal", "ones_fixing", "signed_permutation", "permutation"]
-#: The families of learned matching (continuous symmetries).
-FAMILIES: tuple[str, ...] = ("residual", "scale", "qk", "ov")
+#: The QK maps admitted: RoPE-commuting maps, or diagonal ones under a QK-norm (see above).
+QK = Literal["maps", "shared_gains", "head_gains"]
+#: The families of learned matching: continuous symmetries, and ``permutation``, the residual
+#: map of a model whose residual group is discrete (learned through a straight-through
+#: estimator, :mod:`lmc_mergekit.symmetry.parametrize`).
+FAMILIES: tuple[str, ...] = ("residual", "permutation", "scale", "qk", "ov")
+#: What learned matching learns unless told: the learned permutation is opt-in (on the zoo's
+#: Gemma 2 pair it removes no more than the fixed one from activation matching).
+DEFAULT_FAMILIES: tuple[str, ...] = ("residual", "scale", "qk", "ov")
 
 
 @dataclass(frozen=True)
@@ -37,9 +49,14 @@ class SymmetryGroup:
     absent, which feature of the model restricts it."""
 
     residual: Residual
-    qk_maps: bool
+    qk: QK
     why: dict[str, str]
     architecture: str = ""
+
+    @property
+    def qk_maps(self) -> bool:
+        """Whether any RoPE-commuting QK map is a symmetry (no QK-norm)."""
+        return self.qk == "maps"
 
     def refuse(self, kind: str, detail: str = "") -> LmcError:
         """The one-line error for a transform with ``kind`` (``residual``, ``qk``) that this
@@ -51,10 +68,11 @@ class SymmetryGroup:
 
     @property
     def learnable(self) -> tuple[str, ...]:
-        """The learned-matching families that are continuous symmetries of this model."""
-        discrete = {"residual"} if self.residual in ("signed_permutation", "permutation") else set()
-        absent = set() if self.qk_maps else {"qk"}
-        return tuple(f for f in FAMILIES if f not in discrete | absent)
+        """The learned-matching families this model admits: a residual rotation where its
+        residual group is continuous, a residual (signed) permutation where it is discrete."""
+        discrete = self.residual in ("signed_permutation", "permutation")
+        absent = {"residual"} if discrete else {"permutation"}
+        return tuple(f for f in FAMILIES if f not in absent)
 
 
 def symmetry_group(spec: ModelSpec, keep_tie: bool = False) -> SymmetryGroup:
@@ -83,8 +101,14 @@ def symmetry_group(spec: ModelSpec, keep_tie: bool = False) -> SymmetryGroup:
             + ("permutations" if residual == "permutation" else "signed permutations")
             + " only"
         )
-    qk_maps = spec.qk_norm == "none"
-    if not qk_maps:
+    qk: QK = "maps"
+    if spec.qk_norm != "none":
+        qk = "shared_gains" if spec.qk_norm == "head" else "head_gains"
         where = "per head" if spec.qk_norm == "head" else "over the whole projection"
-        why["qk"] = f"its queries and keys are normalised {where} (QK-norm)"
-    return SymmetryGroup(residual, qk_maps, why, spec.architecture)
+        why["qk"] = (
+            f"its queries and keys are normalised {where} (QK-norm), which leaves diagonal QK "
+            "maps only: a sign per key/value head and rotary pair times a scale traded between "
+            "the q_norm and k_norm gains"
+            + (", shared by all heads" if qk == "shared_gains" else "")
+        )
+    return SymmetryGroup(residual, qk, why, spec.architecture)

@@ -1,11 +1,16 @@
-"""Continuous symmetries as trainable parameters (reference notes §2, "Parametrisations").
+"""Symmetries as trainable parameters (reference notes §2, "Parametrisations").
 
-:class:`LearnedSymmetry` holds the parameters of one endpoint's continuous symmetries and builds
-the :class:`Transform` they stand for, differentiably: a residual rotation ``Cayley(S)`` (in the
+:class:`LearnedSymmetry` holds the parameters of one endpoint's symmetries and builds the
+:class:`Transform` they stand for, differentiably: a residual rotation ``Cayley(S)`` (in the
 group fixing the all-ones vector for LayerNorm models), a global residual scale ``exp(s)``, and per
 key/value head QK and OV maps. QK maps commute with RoPE: on each rotary pair a scaled rotation
-``exp(σ)·R(φ)``, a full map on the non-rotary dims. Every parameter starts at zero, which is the
-identity, so learning starts exactly at the weight-matching result it refines.
+``exp(σ)·R(φ)``, a full map on the non-rotary dims; under a QK-norm a positive scale per pair
+traded between the norms' gains. Where the residual group is discrete (post-norms, sandwich
+norms, kept ties) the residual map is a (signed) permutation learned through a straight-through
+estimator: the forward uses the exact permutation that best fits a score matrix, the backward
+treats it as the scores themselves (Ainsworth et al., Git Re-Basin), so what is learned and
+written is always an exact group element. Every parameter starts at zero, which is the
+identity, so learning starts exactly at the matching result it refines.
 
 How the maps are parametrised is a setting (the paper's ablation):
 
@@ -35,6 +40,7 @@ from torch import nn
 
 from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.symmetry.group import FAMILIES, symmetry_group
+from lmc_mergekit.symmetry.projection import nearest_permutation
 from lmc_mergekit.symmetry.rope import rope_map_from_pairs
 from lmc_mergekit.symmetry.sampling import ones_complement_basis
 from lmc_mergekit.symmetry.transform import LayerTransform, Transform
@@ -97,9 +103,10 @@ class LearnedSymmetry(nn.Module):
         self.spec = spec
         self.kind = parametrization
         self.keep_tie = keep_tie
-        # Only continuous symmetries the model admits: no residual rotation for post-norm
-        # models or kept ties (signed permutations are discrete), no QK maps under QK-norm.
-        admitted = symmetry_group(spec, keep_tie).learnable
+        # Only what the model admits: a residual rotation, or for post-norm models and kept
+        # ties a residual (signed) permutation; diagonal QK maps under a QK-norm.
+        group = symmetry_group(spec, keep_tie)
+        admitted = group.learnable
         self.families = tuple(f for f in admitted if f in families)
         d, layers, kv, dh = spec.hidden_size, spec.num_layers, spec.num_kv_heads, spec.head_dim
         half, free = spec.rotary_dims // 2, spec.head_dim - spec.rotary_dims
@@ -110,12 +117,21 @@ class LearnedSymmetry(nn.Module):
             if fix_ones:
                 # Kept in float64 (module casts leave it alone): written transforms need it exact.
                 self.register_buffer("ones_basis", ones_complement_basis(d), persistent=False)
+        if "permutation" in self.families:
+            # Scores whose best assignment is the permutation; zero = the identity.
+            self.residual_scores = nn.Parameter(torch.zeros(d, d))
+            self.residual_group = group.residual
         if "scale" in self.families:
             self.log_scale = nn.Parameter(torch.zeros(()))
-        if "qk" in self.families and half:
+        if "qk" in self.families and not group.qk_maps:
+            # Under a QK-norm: one log scale per pair and per non-rotary dim (per head only
+            # when each head has its own gains); the signs are discrete (matching sets them).
+            heads = 1 if group.qk == "shared_gains" else kv
+            self.qk_gain_log_scale = nn.Parameter(torch.zeros(layers, heads, dh - half))
+        elif "qk" in self.families and half:
             self.qk_pair_log_scale = nn.Parameter(torch.zeros(layers, kv, half))
             self.qk_pair_angle = nn.Parameter(torch.zeros(layers, kv, half))
-        if "qk" in self.families and free:
+        if "qk" in self.families and free and group.qk_maps:
             self.qk_rot = nn.Parameter(torch.zeros(layers, kv, free, free))
             self.qk_tri = nn.Parameter(torch.zeros(layers, kv, free, free))
         if "ov" in self.families:
@@ -124,6 +140,8 @@ class LearnedSymmetry(nn.Module):
 
     def rotation(self) -> torch.Tensor | None:
         """The residual rotation (None when that family is not learned)."""
+        if "permutation" in self.families:
+            return self.permutation()
         if "residual" not in self.families:
             return None
         inner = orthogonal(self.residual, self.kind)
@@ -133,10 +151,26 @@ class LearnedSymmetry(nn.Module):
         u = self.ones_basis.to(inner.dtype)
         return torch.full((d, d), 1.0 / d, dtype=u.dtype, device=u.device) + u @ inner @ u.T
 
+    def permutation(self) -> torch.Tensor:
+        """The residual (signed) permutation: the best assignment of ``I + scores``, whose
+        value it has, with the gradient of ``scores`` (a straight-through estimator: the loss
+        is always that of an exact symmetry, the scores move towards better assignments)."""
+        scores = self.residual_scores + torch.eye(len(self.residual_scores)).to(
+            self.residual_scores
+        )
+        signed = self.residual_group == "signed_permutation"
+        hard = nearest_permutation(scores.detach().cpu(), signed)
+        return hard.to(scores) + (scores - scores.detach())  # exactly `hard` in value
+
     def qk_maps(self) -> torch.Tensor | None:
-        """QK maps ``(layers, kv heads, dh, dh)`` commuting with RoPE."""
+        """QK maps ``(layers, kv heads, dh, dh)`` commuting with RoPE (diagonal, positive,
+        under a QK-norm)."""
         if "qk" not in self.families:
             return None
+        if hasattr(self, "qk_gain_log_scale"):
+            scales = self.qk_gain_log_scale.exp().expand(-1, self.spec.num_kv_heads, -1)
+            half = self.spec.rotary_dims // 2
+            return torch.diag_embed(torch.cat([scales[..., :half], scales], dim=-1))
         free = None
         if self.spec.head_dim > self.spec.rotary_dims:
             free = invertible(self.qk_rot, self.qk_tri, self.kind)

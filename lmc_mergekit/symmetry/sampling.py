@@ -65,6 +65,29 @@ def random_rope_maps(
     return rope_map_from_pairs(scales, angles, free)
 
 
+def random_diagonal_qk_maps(
+    spec: ModelSpec, generator: torch.Generator, condition: float = 4.0
+) -> torch.Tensor:
+    """Random QK maps of a QK-norm model (:mod:`.group`): a sign per key/value head and dim
+    (equal on a rotary pair's two dims) times a scale per dim (equal on a pair; one for every
+    head under a per-head norm)."""
+    hkv, dh, half = spec.num_kv_heads, spec.head_dim, spec.rotary_dims // 2
+    heads = 1 if symmetry_group(spec).qk == "shared_gains" else hkv
+    draw = dh - half  # one value per pair, one per non-rotary dim
+    scales = (
+        (
+            (torch.rand(heads, draw, generator=generator, dtype=torch.float64) - 0.5)
+            * math.log(condition)
+        )
+        .exp()
+        .expand(hkv, draw)
+    )
+    signs = torch.randint(0, 2, (hkv, draw), generator=generator).double() * 2 - 1
+    values = scales * signs
+    per_dim = torch.cat([values[:, :half], values[:, :half], values[:, half:]], dim=1)
+    return torch.diag_embed(per_dim)
+
+
 def random_head_perm(spec: ModelSpec, generator: torch.Generator) -> torch.Tensor:
     """A random query-head permutation that keeps key/value groups whole."""
     g = spec.group_size
@@ -106,12 +129,15 @@ def random_transform(
     scale = math.exp(low + (high - low) * float(torch.rand(1, generator=gen)))
     layers = []
     for _ in range(spec.num_layers):
-        qk = random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, gen)
+        if group.qk_maps:
+            qk = random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, gen)
+        else:
+            qk = random_diagonal_qk_maps(spec, gen)
         layers.append(
             LayerTransform(
                 head_perm=random_head_perm(spec, gen),
                 ffn_perm=torch.randperm(spec.intermediate_size, generator=gen),
-                qk=qk if group.qk_maps else None,
+                qk=qk,
                 ov=random_well_conditioned((spec.num_kv_heads,), spec.head_dim, gen),
             )
         )

@@ -193,7 +193,7 @@ def is_signed_permutation(q: torch.Tensor) -> bool:
 def _check_layer(layer: LayerTransform, spec: ModelSpec, group: SymmetryGroup, index: int) -> None:
     where = f"transform layer {index}"
     if layer.qk is not None and not group.qk_maps:
-        raise group.refuse("qk", f"QK maps ({where})")
+        _check_diagonal_qk(layer.qk.double(), group, where)
     shape = (spec.num_kv_heads, spec.head_dim, spec.head_dim)
     for kind, maps in (("QK", layer.qk), ("OV", layer.ov)):
         if maps is None:
@@ -217,6 +217,19 @@ def _check_layer(layer: LayerTransform, spec: ModelSpec, group: SymmetryGroup, i
         kv_permutation(layer.head_perm, spec.num_kv_heads)  # raises if it splits a KV group
     if layer.ffn_perm is not None:
         _check_perm(layer.ffn_perm, spec.intermediate_size, f"{where} FFN permutation")
+
+
+def _check_diagonal_qk(maps: torch.Tensor, group: SymmetryGroup, where: str) -> None:
+    """Under a QK-norm: diagonal maps, and one scale per dim for every head under a per-head
+    norm (its gain is shared)."""
+    diagonal = maps.diagonal(dim1=-2, dim2=-1)
+    off = float((maps - torch.diag_embed(diagonal)).abs().max())
+    if off > ROPE_TOL * float(diagonal.abs().max()):
+        raise group.refuse("qk", f"QK maps that are not diagonal ({where})")
+    magnitude = diagonal.abs()
+    spread = float((magnitude - magnitude[:1]).abs().max())
+    if group.qk == "shared_gains" and spread > ROPE_TOL * float(magnitude.max()):
+        raise group.refuse("qk", f"QK scales that differ between heads ({where})")
 
 
 def _check_perm(perm: torch.Tensor, size: int, what: str) -> None:
