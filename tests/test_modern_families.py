@@ -11,6 +11,8 @@ from tiny_models import build_model, logits, probe_ids
 from tokenizer_helpers import model_with_tokenizer
 
 from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.passes.lmc_dm import AlignmentSettings
+from lmc_mergekit.plugin.cache import preparation_key
 from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
 from lmc_mergekit.symmetry.group import symmetry_group
 
@@ -164,3 +166,35 @@ def test_size_conversion_and_latent_merging(with_text, tmp_path, variant):
     assert result.exit_code == 0, result.output
     ids = probe_ids()
     assert (logits(tmp_path / "latent", ids) - logits(a, ids)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("variant", "runs"), [("olmo2", "activations"), ("qwen3_qk_norm_gqa", "weights")]
+)
+def test_auto_matching_reads_text_where_the_residual_group_is_discrete(
+    with_text, tmp_path, variant, runs
+):
+    """``matching: auto`` (the default) matches a post-norm family by its activations and a
+    pre-norm one by its weights; the cache key holds what runs (and the text only where it is
+    read); models without one tokenizer fall back to weights."""
+    a, b = with_text[variant]
+    evaluation = dict(steps=0, seq_len=32, points=3, eval_sequences=8, activation_sequences=8)
+    out = tmp_path / "auto"
+    result = run_yaml(recipe("lmc_dm", [a, b], **evaluation), tmp_path, out)
+    assert result.exit_code == 0, result.output
+    report = yaml.safe_load((out / "lmc_report.json").read_text())
+    assert report["matching"][0]["matching"] == runs
+    card = (out / "README.md").read_text()
+    assert f"| {runs.removesuffix('s')} matching |" in card
+    ids = probe_ids()
+    prepared = sorted((tmp_path / "lmc-cache" / "lmc_dm").glob("*/model-*"))
+    for moved, source in zip(prepared, (a, b), strict=True):
+        assert (logits(moved, ids) - logits(source, ids)).abs().max() < 1e-4, moved
+
+    def key(**changes) -> str:
+        settings = AlignmentSettings(**{**evaluation, **changes})
+        return preparation_key("lmc_dm", settings, [a, b], "cpu")
+
+    assert (key() == key(matching=runs)) and (key() != key(matching="none"))
+    assert (key() == key(seq_len=64)) == (runs == "weights")  # the text counts where it is read
+    assert AlignmentSettings().resolved_matching(open_model(a).spec, with_text=False) == "weights"

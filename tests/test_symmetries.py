@@ -219,13 +219,13 @@ def test_what_a_qk_norm_leaves_is_exact_and_nothing_more(model_dirs, tmp_path, v
     )
 
     split = maps.clone()
-    split[0, 0, 0] *= 1.5  # the two dims of a rotary pair scaled differently
-    bad = [split]
+    split[:, 0, 0] *= 1.5  # the two dims of a rotary pair scaled differently (in every head)
+    bad = [(split, "RoPE")]
     if group.qk == "shared_gains" and hkv > 1:
         per_head = maps.clone()
         per_head[1] *= 2.0  # heads that share a gain scaled differently
-        bad.append(per_head)
-    for maps in bad:
+        bad.append((per_head, "differ between heads"))
+    for maps, reason in bad:
         layers = (LayerTransform(qk=maps),) * spec.num_layers
-        with pytest.raises(LmcError):
+        with pytest.raises(LmcError, match=reason):
             apply_transform(view, Transform(spec.num_layers, layers=layers))

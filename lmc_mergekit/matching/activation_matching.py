@@ -19,7 +19,8 @@ passes, each holding one block of each model and the residual streams of the cal
 
 A model moved by any symmetry of its group is recovered exactly: its activations are A's up to
 that symmetry. The cost is two forward passes of both models over the calibration sequences,
-with per-layer statistics of ``(H·dh)²`` and ``d_ff²`` numbers.
+with per-layer statistics of ``(H·dh)²`` and ``d_ff²`` float64 numbers kept where the
+activations are (the GPU, where the pass runs there).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -79,8 +80,12 @@ def match_activations(
     ids) closest to ``reference``'s, ``runner`` running blocks of their absorbed shape."""
     start = time.perf_counter()
     spec = reference.spec
+    # As weight matching: the global scale is pinned by the two models' eps (see there); B
+    # runs scaled by it, so that its norms see A's eps, as the runner's blocks do.
+    scale = math.sqrt(spec.norm_eps / other.spec.norm_eps)
     absorb = Transform(spec.num_layers, absorb_norms=True, keep_tie=keep_tie)
-    a, b = apply_transform(reference, absorb), apply_transform(other, absorb)
+    a = apply_transform(reference, absorb)
+    b = apply_transform(other, replace(absorb, scale=scale))
     batches = list(torch.split(sequences, BATCH))
     group = symmetry_group(spec, keep_tie).residual
     bar = tqdm(
@@ -92,9 +97,7 @@ def match_activations(
         pass
     discrete = group in ("signed_permutation", "permutation")
     rotation = residual_procrustes(streams.cosine if discrete else streams.plain, group)
-    # As weight matching: the global scale is pinned by the two models' eps (see there).
-    scale = math.sqrt(spec.norm_eps / other.spec.norm_eps)
-    turn = Transform(spec.num_layers, True, rotation, scale, keep_tie=keep_tie).to(torch.float64)
+    turn = Transform(spec.num_layers, True, rotation, keep_tie=keep_tie).to(torch.float64)
 
     layers = []
     for index, (block_a, block_b), units in _walk(a, b, runner, batches, bar):
@@ -137,7 +140,7 @@ def _walk(
         streams.add(*inputs)
     for index in range(a.spec.num_layers):
         blocks = (a.block(index), b.block(index))
-        units = _UnitStatistics() if streams is None else None
+        units = _UnitStatistics(a.spec.num_heads) if streams is None else None
         runs = [runner.each(block, x, index) for block, x in zip(blocks, inputs, strict=True)]
         outputs: list[list[torch.Tensor]] = [[], []]
         for act_a, act_b in zip(*runs, strict=True):
@@ -165,6 +168,7 @@ class _StreamStatistics:
         cross, sq_a, sq_b = 0, 0, 0
         for x, y in zip(xa, xb, strict=True):
             cross, sq_a, sq_b = cross + _gram(y, x), sq_a + _energy(x), sq_b + _energy(y)
+        cross, sq_a, sq_b = cross.cpu(), sq_a.cpu(), sq_b.cpu()
         self.plain += cross / (sq_a.sum() * sq_b.sum()).sqrt().clamp_min(1e-300)
         self.cosine += cross / (sq_b[:, None] * sq_a[None, :]).sqrt().clamp_min(1e-300)
         self.layers += 1
@@ -172,25 +176,26 @@ class _StreamStatistics:
 
 class _UnitStatistics:
     """One layer's head outputs ``z`` (the input of ``W_O``) and FFN activations (the input of
-    the down projection) of both models, as sums over tokens of their cross and self products."""
+    the down projection) of both models, as sums over tokens of their cross products (each
+    head's own products only), kept where the activations are until asked for."""
 
-    def __init__(self):
+    def __init__(self, heads: int):
+        self.heads_count = heads
         self.z_ab = self.z_aa = self.z_bb = 0
         self.n_ab = self.n_aa = self.n_bb = 0
 
     def add(self, a: BlockActivations, b: BlockActivations) -> None:
         za, zb, na, nb = a.attn_out_input, b.attn_out_input, a.mlp_out_input, b.mlp_out_input
-        self.z_ab, self.z_aa, self.z_bb = (
-            self.z_ab + _gram(za, zb),
-            self.z_aa + _gram(za, za),
-            self.z_bb + _gram(zb, zb),
-        )
+        self.z_ab = self.z_ab + _gram(za, zb)
+        self.z_aa = self.z_aa + _head_grams(za, self.heads_count)
+        self.z_bb = self.z_bb + _head_grams(zb, self.heads_count)
         self.n_ab = self.n_ab + _gram(na, nb)
         self.n_aa, self.n_bb = self.n_aa + _energy(na), self.n_bb + _energy(nb)
 
     def neurons(self) -> torch.Tensor:
         """The cosine of every FFN neuron of A with every one of B over the tokens."""
-        return self.n_ab / (self.n_aa[:, None] * self.n_bb[None, :]).sqrt().clamp_min(1e-300)
+        norms = (self.n_aa[:, None] * self.n_bb[None, :]).sqrt().clamp_min(1e-300)
+        return (self.n_ab / norms).cpu()
 
     def heads(self, block_a: Block, turned_b: Block, spec: ModelSpec) -> torch.Tensor:
         """The cosine of what each query head of A writes to the stream, ``z_i·W_O,iᵀ``, with
@@ -199,27 +204,28 @@ class _UnitStatistics:
         o_a = block_a.attn.o.reshape(-1, h, dh).permute(1, 0, 2)  # (head, d, dh)
         o_b = turned_b.attn.o.reshape(-1, h, dh).permute(1, 0, 2)
         # <c_i^A, c_j^B> = Σ_kl (O_iᵀ·O_j)_kl · (Σ_t z_i^Aᵀ·z_j^B)_kl: only dh×dh blocks.
-        z = self.z_ab.reshape(h, dh, h, dh).permute(0, 2, 1, 3)  # (head A, head B, dh, dh)
+        z = self.z_ab.cpu().reshape(h, dh, h, dh).permute(0, 2, 1, 3)  # (head A, head B, ..)
         cross = (torch.einsum("idk,jdl->ijkl", o_a, o_b) * z).sum((-1, -2))
-        own_a, own_b = _head_energy(self.z_aa, o_a), _head_energy(self.z_bb, o_b)
+        own_a = torch.einsum("hdk,hdl,hkl->h", o_a, o_a, self.z_aa.cpu())
+        own_b = torch.einsum("hdk,hdl,hkl->h", o_b, o_b, self.z_bb.cpu())
         return cross / (own_a[:, None] * own_b[None, :]).sqrt().clamp_min(1e-300)
 
 
-def _head_energy(z: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """``||z_i·W_O,iᵀ||²`` per head from ``Σ_t zᵀ·z`` and ``W_O`` as ``(head, d, dh)``."""
-    h, dh = o.shape[0], o.shape[-1]
-    blocks = z.reshape(h, dh, h, dh).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (h, dh, dh)
-    return torch.einsum("hdk,hdl,hkl->h", o, o, blocks)
-
-
 def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``Σ_t x_tᵀ·y_t`` over every token, in float64 on the CPU."""
-    return (x.flatten(0, -2).T.double() @ y.flatten(0, -2).double()).cpu()
+    """``Σ_t x_tᵀ·y_t`` over every token, in float64 where ``x`` is."""
+    return x.flatten(0, -2).T.double() @ y.flatten(0, -2).double()
+
+
+def _head_grams(z: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each head's ``Σ_t z_hᵀ·z_h`` ``(heads, dh, dh)``, in float64 where ``z`` is."""
+    z = z.flatten(0, -2).double()
+    z = z.reshape(len(z), heads, -1)
+    return torch.einsum("thk,thl->hkl", z, z)
 
 
 def _energy(x: torch.Tensor) -> torch.Tensor:
-    """``Σ_t x_t²`` per feature, in float64 on the CPU."""
-    return x.double().pow(2).flatten(0, -2).sum(0).cpu()
+    """``Σ_t x_t²`` per feature, in float64 where ``x`` is."""
+    return x.double().pow(2).flatten(0, -2).sum(0)
 
 
 def _cpu64(block: Block) -> Block:

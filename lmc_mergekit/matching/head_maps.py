@@ -24,6 +24,8 @@ from lmc_mergekit.symmetry.rope import rotary_pairs
 
 # Relative ridge on the Gram matrices, so that a dead head (all-zero rows) stays invertible.
 RIDGE = 1e-12
+# QK-norm gains below this share of the largest are too small to balance (scale 1 there).
+GAIN_FLOOR = 1e-6
 
 
 def balancing_map(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -110,9 +112,11 @@ def fit_normed_qk_maps(
     """Diagonal QK maps of a QK-norm model (:mod:`lmc_mergekit.symmetry.group`) taking B's
     heads onto A's: per key/value head and dim (pairs together) the sign under which B's query
     and key rows ``(X, Y)`` correlate with A's, times the scale ``c`` that best balances the
-    gains (``γ_q·c ≈ γ_q,A``, ``γ_k/c ≈ γ_k,A`` in logs). ``gains_*`` are the query and key
-    gains as ``(heads, dh)`` (one row when all heads share them), query gains per key/value
-    group. Shapes as :func:`fit_free_maps`; the maps come back as ``(Hkv, dh, dh)``."""
+    gains (``γ_q·c ≈ γ_q,A``, ``γ_k/c ≈ γ_k,A`` in logs; 1 where a gain vanishes). The rows
+    come multiplied by their norm's gain (what the head computes: a gain's sign is no
+    symmetry); ``gains_*`` are the gains' magnitudes ``(|γ_q|, |γ_k|)`` as ``(heads, dh)``, one
+    row when every head shares them, query gains per key/value group. Shapes as
+    :func:`fit_free_maps`; the maps come back as ``(Hkv, dh, dh)``."""
     hkv, dh = xa.shape[0], xa.shape[1]
     half = rotary_dims // 2
     first, second = rotary_pairs(rotary_dims)
@@ -125,10 +129,10 @@ def fit_normed_qk_maps(
 
     score = paired((xa * xb).sum(-1) + (ya * yb).sum(-1))
     sign = torch.where(score < 0, -1.0, 1.0).to(xa.dtype)
-    (qa, ka), (qb, kb) = gains_a, gains_b
-    log = lambda g: g.abs().clamp_min(1e-12).log()  # noqa: E731
-    balance = ((log(qa) - log(qb)) - (log(ka) - log(kb))) / 2  # (heads, dh)
+    gains = [g.abs().expand(hkv, dh) for g in (*gains_a, *gains_b)]
+    alive = torch.stack(gains).amin(0) > GAIN_FLOOR * max(float(g.max()) for g in gains)
+    logs = [g.clamp_min(torch.finfo(g.dtype).tiny).log() for g in gains]
+    balance = torch.where(alive, ((logs[0] - logs[2]) - (logs[1] - logs[3])) / 2, 0.0)
     counts = torch.ones(dh, dtype=xa.dtype)
     counts[:half] = counts[half : 2 * half] = 2
-    scale = (paired(balance) / counts).exp().expand(hkv, dh)
-    return torch.diag_embed(sign * scale)
+    return torch.diag_embed(sign * (paired(balance) / counts).exp())

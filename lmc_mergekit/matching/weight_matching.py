@@ -350,14 +350,15 @@ def match_layer(
         current = None if previous is None else previous.ffn_perm
         ffn_perm, _ = best_permutation(_cpu64(neuron_similarity(a.mlp, b.mlp)), current)
     attn = permute_heads(attn_b, spec, head_perm)
-    xa, ya = circuit_blocks(attn_a, spec, "qk")
-    xb, yb = circuit_blocks(attn, spec, "qk")
     if symmetry_group(spec).qk_maps:
+        xa, ya = circuit_blocks(attn_a, spec, "qk")
+        xb, yb = circuit_blocks(attn, spec, "qk")
         qk = fit_rope_maps(xa, ya, xb, yb, spec.rotary_dims).mT
     else:
-        qk = fit_normed_qk_maps(
-            xa, ya, xb, yb, qk_gains(attn_a, spec), qk_gains(attn, spec), spec.rotary_dims
-        )
+        xa, ya = circuit_blocks(_gained(attn_a, spec), spec, "qk")
+        xb, yb = circuit_blocks(_gained(attn, spec), spec, "qk")
+        gains = qk_gains(attn_a, spec), qk_gains(attn, spec)
+        qk = fit_normed_qk_maps(xa, ya, xb, yb, *gains, spec.rotary_dims)
     xa, ya = circuit_blocks(attn_a, spec, "ov")
     xb, yb = circuit_blocks(attn, spec, "ov")
     ov = fit_free_maps(xa, ya, xb, yb)
@@ -366,14 +367,30 @@ def match_layer(
 
 
 def qk_gains(attn: Attention, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query and key norm gains as ``(heads, dh)``: one row when every head shares them,
-    else per key/value group (a query gain per group: the geometric mean of its heads')."""
-    q, k = attn.q_norm.gain, attn.k_norm.gain
+    """The magnitudes of the query and key norm gains as ``(heads, dh)``: one row when every
+    head shares them, else per key/value group (a group's query gain: the geometric mean of its
+    heads')."""
+    q, k = attn.q_norm.gain.abs(), attn.k_norm.gain.abs()
     if spec.qk_norm == "head":
         return q[None], k[None]
     q = q.reshape(spec.num_kv_heads, spec.group_size, spec.head_dim)
-    q = q.abs().clamp_min(1e-12).log().mean(1).exp()
+    q = q.clamp_min(torch.finfo(q.dtype).tiny).log().mean(1).exp()
     return q, k.reshape(spec.num_kv_heads, spec.head_dim)
+
+
+def _gained(attn: Attention, spec: ModelSpec) -> Attention:
+    """``attn`` with each query and key row (and bias) times its QK-norm gain."""
+    q_gain, k_gain = attn.q_norm.gain, attn.k_norm.gain
+    if spec.qk_norm == "head":
+        q_gain = q_gain.repeat(spec.num_heads)
+        k_gain = k_gain.repeat(spec.num_kv_heads)
+    return replace(
+        attn,
+        q=attn.q * q_gain[:, None],
+        k=attn.k * k_gain[:, None],
+        q_bias=None if attn.q_bias is None else attn.q_bias * q_gain,
+        k_bias=None if attn.k_bias is None else attn.k_bias * k_gain,
+    )
 
 
 def _same_assignment(x: LayerTransform, y: LayerTransform) -> bool:

@@ -3,7 +3,7 @@ each stage gets, and the comparison merges a measurement may declare."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -32,8 +32,9 @@ class Section(BaseModel):
     #: Hub ids among them as it resolves the recipe's models.
     model_keys: ClassVar[dict[str, bool]] = {}
 
-    def preparation_settings(self) -> dict:
-        """The settings that change the prepared checkpoints (part of their cache key)."""
+    def preparation_settings(self, inputs: Sequence[Path] = ()) -> dict:
+        """The settings that change the prepared checkpoints of ``inputs`` (part of their cache
+        key)."""
         return self.model_dump(mode="json", exclude=set(self.merge_only + self.measure_only))
 
     def merge_parameters(self) -> dict:

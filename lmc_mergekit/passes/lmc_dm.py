@@ -12,16 +12,18 @@ writes ``lmc_report.json`` and ``lmc_barrier.png``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from lmc_mergekit.data.tokenizer import has_tokenizer
+from lmc_mergekit.data.tokenizer import has_tokenizer, shared_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot_paths
 from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, Matching, align
 from lmc_mergekit.matching.learned_matching import LearningConfig
+from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import model_dir, stored_dtype
 from lmc_mergekit.models.view import ModelSpec
@@ -38,6 +40,18 @@ from lmc_mergekit.transform_checkpoint import transform_checkpoint
 DEFAULT_STEPS = 200
 PLOT_FILE = "lmc_barrier.png"
 LABELS = {"raw": "raw", "learned": "learned matching"}
+
+
+def shared_text(inputs: Sequence[Path]) -> bool:
+    """Whether the models in ``inputs`` can read one text: each has a tokenizer, and they
+    agree on their vocabulary."""
+    if not all(has_tokenizer(model_dir(path)) for path in inputs):
+        return False
+    try:
+        shared_tokenizer(inputs)
+    except LmcError:
+        return False
+    return True
 
 
 def path_label(kind: str, matching: list[dict]) -> str:
@@ -134,20 +148,24 @@ class AlignmentSettings(TextSettings):
         if self.matching == "none":
             if self.steps and "steps" in self.model_fields_set:
                 raise ValueError(
-                    "learned matching (steps > 0) starts from weight matching; set matching: "
-                    "weights or steps: 0"
+                    "learned matching (steps > 0) starts from matching; set matching: auto, "
+                    "weights or activations, or steps: 0"
                 )
             self.steps = 0  # the baseline learns nothing
         if self.steps and not self.learn:
             raise ValueError("learn: is empty; name a symmetry family or set steps: 0")
         return self
 
-    def preparation_settings(self) -> dict:
-        settings = super().preparation_settings()
+    def preparation_settings(self, inputs: Sequence[Path] = ()) -> dict:
+        settings = super().preparation_settings(inputs)
+        if settings["matching"] == "auto" and inputs:  # keyed by what runs
+            settings["matching"] = self.resolved_matching(
+                open_model(inputs[0]).spec, shared_text(inputs)
+            )
         unread = set()
         if not self.steps:
             unread |= set(LEARNING_KEYS)
-        if self.matching not in ("activations", "auto"):
+        if settings["matching"] not in ("activations", "auto"):
             unread.add("activation_sequences")
             if not self.steps:  # weight matching alone reads no text
                 unread |= set(TEXT_KEYS)
@@ -157,7 +175,7 @@ class AlignmentSettings(TextSettings):
 
     def resolved_matching(self, spec: ModelSpec, with_text: bool = True) -> Matching:
         """The matching these settings run on models of ``spec`` (``auto`` resolved; models
-        without a tokenizer (``with_text`` false) have no text to be matched on)."""
+        without one tokenizer (``with_text`` false) have no text to be matched on)."""
         if self.matching != "auto":
             return self.matching
         keep_tie = spec.tied_embeddings and self.tied_embeddings == "keep"
@@ -325,8 +343,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         views = ctx.open_inputs()
         if len(views) < 2:
             raise LmcError("lmc_dm merges two or more models; the recipe lists one")
-        with_text = all(has_tokenizer(model_dir(path)) for path in ctx.inputs)
-        config = settings.align_config(views[0].spec, with_text)
+        config = settings.align_config(views[0].spec, shared_text(ctx.inputs))
         ctx.load_test()  # data before any heavy work
         calibration = None
         if config.reads_text:

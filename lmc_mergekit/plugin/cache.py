@@ -56,7 +56,7 @@ def preparation_key(method: str, settings: Section, inputs: list[Path], device: 
     ``cuda``)."""
     payload = {
         "method": method,
-        "settings": _with_text(settings.preparation_settings()),
+        "settings": _with_text(settings.preparation_settings(inputs)),
         "version": __version__,
         "inputs": [fingerprint(path) for path in inputs + settings.dependencies()],
         "device": device,

@@ -349,6 +349,9 @@ def _apply_normed_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) 
     """Diagonal QK maps under a QK-norm (:mod:`.group`): their signs flip rows of ``W_q`` and
     ``W_k`` (the norm commutes with that), their magnitudes scale the ``q_norm`` gain and divide
     the ``k_norm`` one (a per-head norm's gain is shared by all heads: kv head 0's scales)."""
+    if attn.q_norm.bias is not None or attn.k_norm.bias is not None:
+        # A LayerNorm's mean subtraction does not commute with flipping some rows' signs.
+        raise LmcError("QK maps under a QK-norm with a bias (a LayerNorm) are not supported")
     hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
     diagonal = maps.diagonal(dim1=-2, dim2=-1)  # (hkv, dh)
     sign, magnitude = torch.sign(diagonal), diagonal.abs()

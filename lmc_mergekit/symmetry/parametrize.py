@@ -168,7 +168,7 @@ class LearnedSymmetry(nn.Module):
         if "qk" not in self.families:
             return None
         if hasattr(self, "qk_gain_log_scale"):
-            scales = self.qk_gain_log_scale.exp().expand(-1, self.spec.num_kv_heads, -1)
+            scales = self._scales(self.qk_gain_log_scale).expand(-1, self.spec.num_kv_heads, -1)
             half = self.spec.rotary_dims // 2
             return torch.diag_embed(torch.cat([scales[..., :half], scales], dim=-1))
         free = None
@@ -176,14 +176,16 @@ class LearnedSymmetry(nn.Module):
             free = invertible(self.qk_rot, self.qk_tri, self.kind)
         if not self.spec.rotary_dims:
             return free
-        log_scale = self.qk_pair_log_scale
+        return rope_map_from_pairs(self._scales(self.qk_pair_log_scale), self.qk_pair_angle, free)
+
+    def _scales(self, log_scale: torch.Tensor) -> torch.Tensor:
+        """Per-pair scales as the parametrisation makes them: none under ``cayley`` (rotations
+        only), ``1 + x`` under ``unconstrained``, ``exp(x)`` otherwise."""
         if self.kind == "cayley":
-            scales = torch.ones_like(log_scale)
-        elif self.kind == "unconstrained":
-            scales = 1 + log_scale
-        else:
-            scales = log_scale.exp()
-        return rope_map_from_pairs(scales, self.qk_pair_angle, free)
+            return torch.ones_like(log_scale)
+        if self.kind == "unconstrained":
+            return 1 + log_scale
+        return log_scale.exp()
 
     def ov_maps(self) -> torch.Tensor | None:
         """OV maps ``(layers, kv heads, dh, dh)``."""
