@@ -4,12 +4,15 @@
     python benchmarks/learned_matching.py ablation [--zoo DIR] [--arch gpt_neox] [--steps 200]
     python benchmarks/learned_matching.py step     [--zoo DIR] [--arch gpt_neox llama]
     python benchmarks/learned_matching.py three    [--zoo DIR] [--hidden 64] [--steps 300]
+    python benchmarks/learned_matching.py matching [--zoo DIR] [--arch gemma2] [--steps 200]
 
 ``time``: the barrier on the test split against wall-clock learning time (evaluation excluded),
 starting from weight matching. ``ablation``: the final barrier of the paper's variants with one
 step budget. ``step``: one alignment step against one plain training step (forward, backward,
 AdamW) of one endpoint on the same batch, and the peak memory of each (separate processes).
-``three``: three seeds aligned at once against pairwise alignment. Barriers use the recipe
+``three``: three seeds aligned at once against pairwise alignment. ``matching``: weight against
+activation matching, each alone and followed by learned matching with and without the learned
+residual permutation (families with a discrete residual group). Barriers use the recipe
 defaults (11 λ points) on ``--eval`` test sequences. Zoo models are built when missing (a d=128
 model takes about 5 minutes on two CPU cores).
 """
@@ -34,7 +37,8 @@ from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.plugin.cache import default_cache_dir
-from lmc_mergekit.symmetry.parametrize import FAMILIES
+from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES
 from lmc_mergekit.zoo import build_zoo
 
 GRID = tuple(i / 10 for i in range(11))
@@ -43,19 +47,23 @@ GRID = tuple(i / 10 for i in range(11))
 class Setup:
     """Zoo models of one architecture, moved by weight matching onto the first, with data."""
 
-    def __init__(self, args, arch: str, seeds: tuple[int, ...]):
+    def __init__(self, args, arch: str, seeds: tuple[int, ...], matching: str = "weights"):
         self.folders = build_zoo(args.zoo, arch, args.hidden, args.layers, seeds, args.zoo_steps)
         views = [open_model(folder) for folder in self.folders]
-        start = time.perf_counter()
-        matched, _ = match_all(views, AlignConfig())  # what the lmc_dm pass runs
-        self.matching_seconds = time.perf_counter() - start
-        self.raw = moved(views, [matched[0]] * len(views))  # norms absorbed, nothing else
-        self.endpoints = moved(views, matched)
-        self.model = block_runner(views[0], self.endpoints[0].spec, torch.device("cpu"))
         tokenizer = load_tokenizer(self.folders)
         config = DataConfig(seq_len=128)
         self.train = load_split(config, tokenizer, "train", 4096)
         self.test = load_split(config, tokenizer, "test", args.eval)
+        absorbed = apply_transform(views[0], Transform(views[0].spec.num_layers, True))
+        self.model = block_runner(views[0], absorbed.spec, torch.device("cpu"))
+        start = time.perf_counter()
+        # What the lmc_dm pass runs.
+        matched, _ = match_all(
+            views, AlignConfig(matching), runner=self.model, calibration=self.train
+        )
+        self.matching_seconds = time.perf_counter() - start
+        self.raw = moved(views, [matched[0]] * len(views))  # norms absorbed, nothing else
+        self.endpoints = moved(views, matched)
 
     @torch.no_grad()
     def loss(self, endpoints, weights: torch.Tensor) -> float:
@@ -133,10 +141,10 @@ def cmd_time(args) -> None:
 ABLATION = {
     "dual (polar, all families)": {},
     "one-sided": {"dual": False},
-    "without QK": {"families": tuple(f for f in FAMILIES if f != "qk")},
-    "without OV": {"families": tuple(f for f in FAMILIES if f != "ov")},
-    "without scale": {"families": tuple(f for f in FAMILIES if f != "scale")},
-    "without residual": {"families": tuple(f for f in FAMILIES if f != "residual")},
+    "without QK": {"families": tuple(f for f in DEFAULT_FAMILIES if f != "qk")},
+    "without OV": {"families": tuple(f for f in DEFAULT_FAMILIES if f != "ov")},
+    "without scale": {"families": tuple(f for f in DEFAULT_FAMILIES if f != "scale")},
+    "without residual": {"families": tuple(f for f in DEFAULT_FAMILIES if f != "residual")},
     "unconstrained": {"parametrization": "unconstrained"},
     "matrix exponential": {"parametrization": "matrix_exp"},
     "Cayley only": {"parametrization": "cayley"},
@@ -163,6 +171,28 @@ def cmd_ablation(args) -> None:
             barrier = setup.barrier(ends)
             print(
                 f"| {name} | {barrier:.3f} | {1 - barrier / raw:.0%} | {result.seconds:.0f} |",
+                flush=True,
+            )
+
+
+def cmd_matching(args) -> None:
+    print("| pair | start | barrier after matching | learned | learned with the permutation |")
+    print("|---|---|---|---|---|")
+    for arch in args.arch:
+        for matching in ("weights", "activations"):
+            setup = Setup(args, arch, (0, 1), matching)
+            raw, matched = setup.barrier(setup.raw), setup.barrier(setup.endpoints)
+            cells = []
+            for families in (DEFAULT_FAMILIES, (*DEFAULT_FAMILIES, "permutation")):
+                config = LearningConfig(steps=args.steps, lr=args.lr, families=families)
+                ends, result = setup.learn(replace(config, checkpoint_every=args.steps))
+                barrier = setup.barrier(ends)
+                cells.append(f"{barrier:.3f} ({1 - barrier / raw:.0%}), {result.seconds:.0f} s")
+            print(
+                f"| {arch} d={args.hidden} (raw {raw:.3f}) | {matching} | {matched:.3f} "
+                f"({1 - matched / raw:.0%}), {setup.matching_seconds:.0f} s | "
+                + " | ".join(cells)
+                + " |",
                 flush=True,
             )
 
@@ -237,7 +267,9 @@ def cmd_three(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["time", "ablation", "step", "three", "step-worker"])
+    parser.add_argument(
+        "command", choices=["time", "ablation", "step", "three", "matching", "step-worker"]
+    )
     parser.add_argument("--zoo", type=Path, default=default_cache_dir() / "zoo")
     parser.add_argument("--arch", nargs="+", default=["gpt_neox", "llama"])
     parser.add_argument("--hidden", type=int, default=128)
@@ -250,12 +282,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     args.zoo_steps = args.zoo_steps or (1500 if args.hidden >= 128 else 600)
-    args.steps = args.steps or {"time": 1400, "ablation": 200, "three": 300}.get(args.command, 0)
+    defaults = {"time": 1400, "ablation": 200, "three": 300, "matching": 200}
+    args.steps = args.steps or defaults.get(args.command, 0)
     {
         "time": cmd_time,
         "ablation": cmd_ablation,
         "step": cmd_step,
         "three": cmd_three,
+        "matching": cmd_matching,
         "step-worker": cmd_step_worker,
     }[args.command](args)
 

@@ -348,9 +348,11 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         calibration = None
         if config.reads_text:
             fix = "use matching: weights and steps: 0"
-            calibration = load_recipe_split(
-                ctx.inputs, settings, "train", settings.calibration_sequences, fix
+            most = max(
+                settings.calibration_sequences if config.learning is not None else 0,
+                settings.activation_sequences if config.matching == "activations" else 0,
             )
+            calibration = load_recipe_split(ctx.inputs, settings, "train", most, fix)
     alignment = align(
         views,
         config,
