@@ -19,9 +19,10 @@ passes, each holding one block of each model and the residual streams of the cal
 
 A model moved by any symmetry of its group is recovered, since its activations are A's up to
 that symmetry: exactly where the residual group is discrete, to the float32 precision of the
-activations where it is continuous (tested: within 5e-4 of the weights, relative). The cost is two forward passes of both models over the calibration sequences,
-with per-layer statistics of ``(H·dh)²`` and ``d_ff²`` float64 numbers kept where the
-activations are (the GPU, where the pass runs there).
+activations where it is continuous (tested: within 5e-4 of the weights, relative). The cost is
+two forward passes of both models over the calibration sequences, with per-layer statistics of
+``(H·dh)²`` and ``d_ff²`` float64 numbers kept where the activations are (the GPU, where the
+pass runs there).
 """
 
 from __future__ import annotations
