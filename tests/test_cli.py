@@ -125,7 +125,10 @@ def test_registration_is_idempotent():
         (lambda r: r.update(alignment={"combine": "magic"}), "'magic' is not a mergekit method"),
         (lambda r: r.update(alignment={"steps": 5, "learn": []}), "learn: is empty"),
         (lambda r: r.update(alignment={"steps": 0, "evaluate": True}), "has no tokenizer"),
-        (lambda r: r.update(alignment={"steps": 5, "evaluate": False}), "or use steps: 0"),
+        (
+            lambda r: r.update(alignment={"steps": 5, "evaluate": False}),
+            "or use matching: weights and steps: 0",
+        ),
     ],
 )
 def test_bad_recipes_fail_in_one_line_and_leave_nothing(tmp_path, change, needle):
