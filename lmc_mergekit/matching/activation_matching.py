@@ -172,7 +172,7 @@ class _StreamStatistics:
             cross, sq_a, sq_b = cross + _gram(y, x), sq_a + _energy(x), sq_b + _energy(y)
         cross, sq_a, sq_b = cross.cpu(), sq_a.cpu(), sq_b.cpu()
         self.plain += cross / (sq_a.sum() * sq_b.sum()).sqrt().clamp_min(1e-300)
-        self.cosine += cross / (sq_b[:, None] * sq_a[None, :]).sqrt().clamp_min(1e-300)
+        self.cosine += _cosines(cross, sq_b, sq_a)
         self.layers += 1
 
 
@@ -196,8 +196,7 @@ class _UnitStatistics:
 
     def neurons(self) -> torch.Tensor:
         """The cosine of every FFN neuron of A with every one of B over the tokens."""
-        norms = (self.n_aa[:, None] * self.n_bb[None, :]).sqrt().clamp_min(1e-300)
-        return (self.n_ab / norms).cpu()
+        return _cosines(self.n_ab, self.n_aa, self.n_bb).cpu()
 
     def heads(self, block_a: Block, turned_b: Block, spec: ModelSpec) -> torch.Tensor:
         """The cosine of what each query head of A writes to the stream, ``z_i·W_O,iᵀ``, with
@@ -210,7 +209,13 @@ class _UnitStatistics:
         cross = (torch.einsum("idk,jdl->ijkl", o_a, o_b) * z).sum((-1, -2))
         own_a = torch.einsum("hdk,hdl,hkl->h", o_a, o_a, self.z_aa.cpu())
         own_b = torch.einsum("hdk,hdl,hkl->h", o_b, o_b, self.z_bb.cpu())
-        return cross / (own_a[:, None] * own_b[None, :]).sqrt().clamp_min(1e-300)
+        return _cosines(cross, own_a, own_b)
+
+
+def _cosines(cross: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Inner products ``cross`` of features divided by the features' norms (squared norms
+    ``rows`` and ``cols``): their cosines."""
+    return cross / (rows[:, None] * cols[None, :]).sqrt().clamp_min(1e-300)
 
 
 def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
