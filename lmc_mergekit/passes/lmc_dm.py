@@ -18,14 +18,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from lmc_mergekit.data.tokenizer import has_tokenizer, shared_tokenizer
+from lmc_mergekit.data.tokenizer import shared_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot_paths
 from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, Matching, align
 from lmc_mergekit.matching.learned_matching import LearningConfig
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
-from lmc_mergekit.models.checkpoint import model_dir, stored_dtype
+from lmc_mergekit.models.checkpoint import stored_dtype
 from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
 from lmc_mergekit.passes.device import pass_device
@@ -45,8 +45,6 @@ LABELS = {"raw": "raw", "learned": "learned matching"}
 def shared_text(inputs: Sequence[Path]) -> bool:
     """Whether the models in ``inputs`` can read one text: each has a tokenizer, and they
     agree on their vocabulary."""
-    if not all(has_tokenizer(model_dir(path)) for path in inputs):
-        return False
     try:
         shared_tokenizer(inputs)
     except LmcError:
