@@ -192,10 +192,19 @@ EXACT_CASES = {
         },
         {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     ),
-    # Per-layer-type rotary bases: the head size stays.
+    # Per-layer-type rotary bases (local layers 1e4; global 1e6, linearly scaled as Gemma 3
+    # 4B and up): every other pair keeps every base at once.
     "gemma3_text": (
-        {"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 40},
-        {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "intermediate_size": 40,
+        },
+        {
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        },
     ),
     "phi3_partial_rotary": (
         {
@@ -310,7 +319,9 @@ def test_rescaling_multiplies_the_projections_by_the_shrink_of_their_input(model
         assert torch.equal(b.attn.q, a.attn.q) and torch.equal(b.mlp.up, a.mlp.up)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2_gqa_bias_tied", "gpt2_tied"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "qwen2_gqa_bias_tied", "gpt2_tied", "gemma2_softcap_windows", "olmo2"]
+)
 def test_compensation_follows_the_donor_in_sequential_blocks(model_dirs, variant):
     view = open_model(model_dirs[variant])
     target, plan = resolve_target(view.spec, view.adapter, {"intermediate_size": 24})
@@ -622,22 +633,24 @@ def test_unconvertible_layouts_are_refused(tmp_path):
         resolve_target(donor, LlamaAdapter(), {"num_attention_heads": 6, "num_key_value_heads": 1})
 
 
-def test_rotary_types_that_cannot_keep_their_frequencies_keep_the_head_size(model_dirs):
+def test_per_layer_type_rotary_bases_change_head_size_by_whole_strides_only(model_dirs):
     view = open_model(model_dirs["gemma3_text"])  # local and global layers: rotary bases each
-    with pytest.raises(LmcError, match="rotary parameters of its own; its head size cannot"):
-        resolve_target(view.spec, view.adapter, {"head_dim": 8}, folder=view.folder)
-    target, _ = resolve_target(
-        view.spec, view.adapter, {"intermediate_size": 40}, folder=view.folder
-    )
-    assert target.head_dim == view.spec.head_dim
+    half = view.spec.head_dim // 2
+    target, plan = resolve_target(view.spec, view.adapter, {"head_dim": half}, folder=view.folder)
+    assert (target.head_dim, plan.adjusted) == (half, False)
+    assert plan.pairs == tuple(range(0, view.spec.rotary_dims // 2, 2))
+    with pytest.raises(LmcError, match="a new base cannot serve every attention type"):
+        resolve_target(view.spec, view.adapter, {"head_dim": half + 2}, folder=view.folder)
 
 
-def test_post_norm_families_convert_without_compensation_only(model_dirs):
+def test_only_a_parallel_residual_with_post_norms_refuses_compensation(model_dirs):
     from lmc_mergekit.subclone.convert import check_convertible
 
-    for variant in ("gemma2_softcap_windows", "gemma3_text", "olmo2"):
+    for variant in ("gemma2_softcap_windows", "gemma3_text", "olmo2", "qwen3_qk_norm_gqa"):
         spec = open_model(model_dirs[variant]).spec
-        with pytest.raises(LmcError, match="post-norms\\); set compensate: false"):
-            check_convertible(spec, ConversionConfig(compensate=True))
-        check_convertible(spec, ConversionConfig(compensate=False))
-    check_convertible(open_model(model_dirs["qwen3_qk_norm_gqa"]).spec, ConversionConfig())
+        check_convertible(spec, ConversionConfig(compensate=True))
+        parallel = replace(spec, parallel_residual=True)
+        if spec.post_norms:
+            with pytest.raises(LmcError, match="post-norm of its own; set compensate: false"):
+                check_convertible(parallel, ConversionConfig(compensate=True))
+        check_convertible(parallel, ConversionConfig(compensate=False))

@@ -212,3 +212,28 @@ def test_cli_trains_then_reuses(text, tmp_path):
     name = re.search(r"/(gpt_neox-[^/\s]+-seed0)  validation loss", first.output).group(1)
     info = json.loads((tmp_path / "zoo" / name / "zoo_model.json").read_text())
     assert info["training"]["seed"] == 0
+
+
+def test_models_trained_on_different_texts_share_a_tokenizer_trained_on_both(tmp_path):
+    from lmc_mergekit.data.tokenizer import shares_tokenizer
+
+    texts = tmp_path / "texts"
+    for name, source in (("kjv", "kjv"), ("austen", "austen_persuasion")):
+        (texts / name).mkdir(parents=True)
+        whole = next(p for p in bundled_text_files() if p.stem.startswith(source))
+        (texts / name / "excerpt.txt").write_text(whole.read_text(encoding="utf-8")[:30_000])
+    own, shared = (
+        [
+            build_zoo_model(
+                tmp_path / "zoo", "gpt_neox", 32, 2, seed=seed, steps=STEPS,
+                data_source=texts / name, tokenizer_data=words, **TINY,
+            )
+            for seed, name in enumerate(("kjv", "austen"))
+        ]
+        for words in (None, texts)
+    )  # fmt: skip
+    assert not shares_tokenizer(*own)  # a tokenizer per text: the rows are other tokens
+    assert shares_tokenizer(*shared)
+    assert all("-tok" in p.name and "-tok" not in q.name for p, q in zip(shared, own, strict=True))
+    assert read_zoo_info(shared[1])["tokenizer"]["source"] == str(texts)
+    assert read_zoo_info(shared[1])["data"]["source"] == str(texts / "austen")

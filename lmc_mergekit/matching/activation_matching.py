@@ -1,8 +1,8 @@
 """Activation matching: the symmetry that brings one model's activations closest to another's.
 
 Both models (norms absorbed) read the same calibration text, block by block through the
-:class:`~lmc_mergekit.models.block_runner.BlockRunner`: the computation ``transformers`` runs. Two
-passes, each holding one block of each model and the residual streams of the calibration tokens:
+:class:`~lmc_mergekit.models.block_runner.BlockRunner`: the computation ``transformers`` runs. One
+pass, holding one block of each model and the residual streams of the calibration tokens:
 
 1. the residual stream before the first block and after every block gives one cross-correlation
    ``K = Σ_l X_B,lᵀ·X_A,l / (||X_A,l||·||X_B,l||)``; the residual map is the element of the group
@@ -12,17 +12,20 @@ passes, each holding one block of each model and the residual streams of the cal
    cosine, so that a few large channels do not decide the assignment for all (Verma & Elbayad
    correlate activations in the same way for post-LN BERT);
 2. per layer, the FFN neurons are assigned by the cosine of their activations (the input of the
-   down projection) and the query heads (GQA-aware) by the cosine of what each writes to the
-   residual stream, ``z_h·W_O,hᵀ`` (B's turned into A's basis): invariant to the per-head OV maps.
-   The per-head QK and OV maps are then fitted to the weights given these assignments, as weight
-   matching fits them (:func:`~lmc_mergekit.matching.weight_matching.match_layer`).
+   down projection), as the layer is passed; the query heads (GQA-aware) by the cosine of what
+   each writes to the residual stream, ``z_h·W_O,hᵀ`` (B's turned into A's basis: invariant to
+   the per-head OV maps), once the residual map is known, from the cross products of the heads'
+   inputs ``z`` kept per layer (``(H·dh)²`` float32 numbers: a thirtieth of a 7B model's
+   weights). The per-head QK and OV maps are then fitted to the weights given these
+   assignments, as weight matching fits them
+   (:func:`~lmc_mergekit.matching.weight_matching.match_layer`).
 
 A model moved by any symmetry of its group is recovered, since its activations are A's up to
 that symmetry: exactly where the residual group is discrete, to the float32 precision of the
 activations where it is continuous (tested: within 5e-4 of the weights, relative). The cost is
-two forward passes of both models over the calibration sequences, with per-layer statistics of
-``(H·dh)²`` and ``d_ff²`` float64 numbers kept where the activations are (the GPU, where the
-pass runs there).
+one forward pass of both models over the calibration sequences and the products of their
+activations (float32 per batch, summed in float64, where the activations are: the GPU, where
+the pass runs there).
 """
 
 from __future__ import annotations
@@ -95,21 +98,24 @@ def match_activations(
     )
 
     streams = _StreamStatistics(spec.hidden_size)
-    for _ in _walk(a, b, runner, batches, bar, streams):
-        pass
+    heads, neurons = [], []
+    for units in _walk(a, b, runner, batches, bar, streams):
+        neurons.append(best_permutation(units.neurons())[0])
+        heads.append(units.heads_only())
     discrete = group in ("signed_permutation", "permutation")
     rotation = residual_procrustes(streams.cosine if discrete else streams.plain, group)
     turn = Transform(spec.num_layers, True, rotation, keep_tie=keep_tie).to(torch.float64)
 
     layers = []
-    for index, (block_a, block_b), units in _walk(a, b, runner, batches, bar):
-        block_a = _cpu64(block_a)
-        turned = transform_block(_cpu64(block_b), spec, turn, index)
+    for index, units in enumerate(heads):
+        block_a = _cpu64(a.block(index))
+        turned = transform_block(_cpu64(b.block(index)), spec, turn, index)
         chosen = LayerTransform(
             head_perm=match_heads(units.heads(block_a, turned, spec), spec.num_kv_heads),
-            ffn_perm=best_permutation(units.neurons())[0],
+            ffn_perm=neurons[index],
         )
         layers.append(match_layer(block_a, turned, spec, chosen, keep=True))
+        bar.update()
     bar.close()
     transform = Transform(spec.num_layers, True, rotation, scale, tuple(layers), keep_tie)
     before, after = (
@@ -127,34 +133,31 @@ def _walk(
     runner: BlockRunner,
     batches: list[torch.Tensor],
     bar: tqdm,
-    streams: _StreamStatistics | None = None,
-) -> Iterator[tuple[int, tuple[Block, Block], _UnitStatistics | None]]:
+    streams: _StreamStatistics,
+) -> Iterator[_UnitStatistics]:
     """Both models block by block over ``batches``, holding the residual streams of every batch
-    and one batch's activations: per layer its blocks and the statistics of its heads' and
-    neurons' activations, or with ``streams``, only the residual streams (before the first
-    block and after each) added to ``streams`` (and None)."""
+    and one batch's activations: per layer the statistics of its heads' and neurons'
+    activations, the residual streams (before the first block and after each) added to
+    ``streams``."""
     device = runner.device
     inputs = [
         [embed(view.embeddings(), ids, view.spec).to(device, torch.float32) for ids in batches]
         for view in (a, b)
     ]
-    if streams is not None:
-        streams.add(*inputs)
+    streams.add(*inputs)
     for index in range(a.spec.num_layers):
         blocks = (a.block(index), b.block(index))
-        units = _UnitStatistics(a.spec.num_heads) if streams is None else None
+        units = _UnitStatistics(a.spec.num_heads)
         runs = [runner.each(block, x, index) for block, x in zip(blocks, inputs, strict=True)]
         outputs: list[list[torch.Tensor]] = [[], []]
         for act_a, act_b in zip(*runs, strict=True):
-            if units is not None:
-                units.add(act_a, act_b)
+            units.add(act_a, act_b)
             outputs[0].append(act_a.output)
             outputs[1].append(act_b.output)
         inputs = outputs
-        if streams is not None:
-            streams.add(*inputs)
+        streams.add(*inputs)
         bar.update()
-        yield index, blocks, units
+        yield units
 
 
 class _StreamStatistics:
@@ -198,6 +201,14 @@ class _UnitStatistics:
         """The cosine of every FFN neuron of A with every one of B over the tokens."""
         return _cosines(self.n_ab, self.n_aa, self.n_bb).cpu()
 
+    def heads_only(self) -> _UnitStatistics:
+        """These statistics without the neurons', the heads' on the CPU (``z_ab`` in
+        float32): what is kept of a layer until the residual map is known."""
+        kept = _UnitStatistics(self.heads_count)
+        kept.z_ab = self.z_ab.to("cpu", torch.float32)
+        kept.z_aa, kept.z_bb = self.z_aa.cpu(), self.z_bb.cpu()
+        return kept
+
     def heads(self, block_a: Block, turned_b: Block, spec: ModelSpec) -> torch.Tensor:
         """The cosine of what each query head of A writes to the stream, ``z_i·W_O,iᵀ``, with
         what each of B writes (``turned_b``: B's block in A's basis)."""
@@ -205,7 +216,7 @@ class _UnitStatistics:
         o_a = block_a.attn.o.reshape(-1, h, dh).permute(1, 0, 2)  # (head, d, dh)
         o_b = turned_b.attn.o.reshape(-1, h, dh).permute(1, 0, 2)
         # <c_i^A, c_j^B> = Σ_kl (O_iᵀ·O_j)_kl · (Σ_t z_i^Aᵀ·z_j^B)_kl: only dh×dh blocks.
-        z = self.z_ab.cpu().reshape(h, dh, h, dh).permute(0, 2, 1, 3)  # (head A, head B, ..)
+        z = self.z_ab.cpu().double().reshape(h, dh, h, dh).permute(0, 2, 1, 3)  # (A, B, ..)
         cross = (torch.einsum("idk,jdl->ijkl", o_a, o_b) * z).sum((-1, -2))
         own_a = torch.einsum("hdk,hdl,hkl->h", o_a, o_a, self.z_aa.cpu())
         own_b = torch.einsum("hdk,hdl,hkl->h", o_b, o_b, self.z_bb.cpu())
@@ -219,15 +230,17 @@ def _cosines(cross: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tor
 
 
 def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``Σ_t x_tᵀ·y_t`` over every token, in float64 where ``x`` is."""
-    return x.flatten(0, -2).T.double() @ y.flatten(0, -2).double()
+    """``Σ_t x_tᵀ·y_t`` over one batch's tokens, in float64 where ``x`` is (summed in float32:
+    a batch's thousand tokens lose nothing that float64 sums over batches would keep, at half
+    the cost of the largest products of the pass)."""
+    return (x.flatten(0, -2).T.float() @ y.flatten(0, -2).float()).double()
 
 
 def _head_grams(z: torch.Tensor, heads: int) -> torch.Tensor:
     """Each head's ``Σ_t z_hᵀ·z_h`` ``(heads, dh, dh)``, in float64 where ``z`` is."""
-    z = z.flatten(0, -2).double()
+    z = z.flatten(0, -2).float()
     z = z.reshape(len(z), heads, -1)
-    return torch.einsum("thk,thl->hkl", z, z)
+    return torch.einsum("thk,thl->hkl", z, z).double()
 
 
 def _energy(x: torch.Tensor) -> torch.Tensor:

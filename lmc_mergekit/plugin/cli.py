@@ -206,6 +206,12 @@ def _transform_and_report(model, out, transform, overwrite, trust_remote_code) -
     default=None,
     help="Training text: a file, folder, JSONL or dataset on disk [default: the bundled corpus]",
 )
+@click.option(
+    "--tokenizer-data",
+    default=None,
+    help="Text the tokenizer is trained on, or 'bundled' for the bundled corpus, so that "
+    "models trained on different texts share one vocabulary [default: the training text]",
+)
 @click.option("--field", default="text", show_default=True, help="Text field of records")
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per sequence")
 @click.option("--vocab-size", type=int, default=4096, show_default=True, help="BPE vocabulary")
@@ -222,6 +228,7 @@ def zoo_command(
     seeds: str,
     steps: int,
     data: str | None,
+    tokenizer_data: str | None,
     field: str,
     seq_len: int,
     vocab_size: int,
@@ -257,6 +264,7 @@ def zoo_command(
             lr=DEFAULT_LR if lr is None else lr,
             warmup=DEFAULT_WARMUP if warmup is None else warmup,
             tied=tied,
+            tokenizer_data=tokenizer_data,
         )
         info = read_zoo_info(path)
         record = info["training"]

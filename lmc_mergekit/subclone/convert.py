@@ -6,12 +6,16 @@
 2. Layers: the donor's layers kept at an even stride; a kept layer also stands in for the
    removed ones after it.
 3. Each kept layer's heads, head dims and MLP units by weight norm (:mod:`.selection`).
-4. Compensation: the projections that write to the residual stream without a norm in front
-   (attention output, MLP down) are refitted by ridge least squares so that the smaller
-   model's residual stream follows the donor's kept channels: features are what the smaller
-   model's projections read on its own (already converted) residual stream; targets are what
-   the donor added between this point and the next kept layer. Parallel-residual blocks fit
-   both projections jointly; sequential ones the attention output first, then the MLP down.
+4. Compensation: the projections that write to the residual stream (attention output, MLP
+   down) are refitted by ridge least squares so that the smaller model's residual stream
+   follows the donor's kept channels: features are what the smaller model's projections read
+   on its own (already converted) residual stream; targets are what the donor added between
+   this point and the next kept layer. Parallel-residual blocks fit both projections jointly;
+   sequential ones the attention output first, then the MLP down. Where a projection writes
+   through a post-norm (Gemma 2 and 3, OLMo 2), the target is what it must write before that
+   norm: the update divided by the norm's gain, a direction only (the norm, now over the kept
+   channels, sets the size as the pre-norms do), taken at the size of what the selected
+   projection writes so that the ridge's pull towards it is a pull of like to like.
 5. Rescaling ``sqrt(n/n')`` by the shrink of each projection's input, on the attention output
    and MLP down (``o_down``) or on every matrix (``all``), after compensation.
 """
@@ -30,7 +34,7 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner, embed
-from lmc_mergekit.models.view import Block, Head, InMemoryView, ModelSpec
+from lmc_mergekit.models.view import Block, Head, InMemoryView, ModelSpec, Norm
 from lmc_mergekit.subclone.compensation import RidgeFit, RidgeSolution
 from lmc_mergekit.subclone.selection import (
     Ranker,
@@ -67,11 +71,10 @@ class Conversion:
 
 def check_convertible(donor: ModelSpec, config: ConversionConfig) -> None:
     """A one-line error for a conversion that ``donor``'s family cannot take."""
-    if config.compensate and donor.post_norms:
+    if config.compensate and donor.post_norms and donor.parallel_residual:
         raise LmcError(
-            "compensation refits the projections that write to the residual stream by linear "
-            f"least squares, but in {donor.architecture} they write through a norm "
-            "(post-norms); set compensate: false"
+            f"compensation fits {donor.architecture}'s two projections jointly (parallel "
+            "residual), but each writes through a post-norm of its own; set compensate: false"
         )
 
 
@@ -292,6 +295,7 @@ def _compensate(
         attn.o_bias,
         config,
         device,
+        block.attn_post_norm,
     )
     o, o_bias = solution.weight.to(dtype).cpu(), _bias(solution.bias, dtype)
     block = replace(block, attn=replace(attn, o=o, o_bias=o_bias))
@@ -307,6 +311,7 @@ def _compensate(
         mlp.down_bias,
         config,
         device,
+        block.mlp_post_norm,
     )
     down, down_bias = solution.weight.to(dtype).cpu(), _bias(solution.bias, dtype)
     block = replace(block, mlp=replace(mlp, down=down, down_bias=down_bias))
@@ -325,18 +330,49 @@ def _refit(
     bias: torch.Tensor | None,
     config: ConversionConfig,
     device: torch.device,
+    post_norm: Norm | None = None,
 ) -> tuple[RidgeSolution, dict]:
     """Run ``block`` on every batch and refit ``weight`` (and ``bias``) so that
-    ``features(seen, x)`` maps to ``target − baseline(seen, x)``."""
+    ``features(seen, x)`` maps to ``target − baseline(seen, x)``, or where the projection
+    writes through ``post_norm``, to what makes that norm add it (see the module doc)."""
     # float64 Gram matrices: on a CUDA device, else on the CPU (MPS has no float64).
     gram_device = device if device.type == "cuda" else torch.device("cpu")
     fit = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, gram_device)
     seen_all = runner.each(block, states, layer)
     for state, target, seen in zip(states, targets, seen_all, strict=True):
         x = state.to(device, torch.float32)
-        fit.add(features(seen, x), target.to(device, torch.float32) - baseline(seen, x))
+        inputs, update = features(seen, x), target.to(device, torch.float32) - baseline(seen, x)
+        if post_norm is not None:
+            update = _before_norm(update, inputs, weight, bias, post_norm)
+        fit.add(inputs, update)
     solution = fit.solve(config.ridge, weight.double(), None if bias is None else bias.double())
     return solution, _fit_record(solution, fit)
+
+
+def _before_norm(
+    update: torch.Tensor,
+    inputs: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: Norm,
+) -> torch.Tensor:
+    """What a projection (``weight``, ``bias`` on ``inputs``) writing through ``norm`` should
+    write for the norm to add ``update``: ``(update − β)/γ``, a direction per token, at the
+    size of what the selected projection writes."""
+    gain = norm.gain.to(update)
+    floor = 1e-3 * gain.abs().mean().clamp_min(1e-30)  # a dead channel's target stays finite
+    gain = torch.where(gain.abs() < floor, floor, gain)
+    if norm.bias is not None:
+        update = update - norm.bias.to(update)
+    direction = update / gain
+    selected = inputs @ weight.to(inputs).T
+    if bias is not None:
+        selected = selected + bias.to(inputs)
+    return direction * (_rms(selected) / _rms(direction).clamp_min(1e-30))
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).mean(-1, keepdim=True).sqrt()
 
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

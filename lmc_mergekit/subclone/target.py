@@ -4,7 +4,9 @@ Rotary embeddings rotate pair ``j`` of a head at frequency ``θ^(-2j/R)`` (``R``
 base ``θ``). A smaller head keeps ``R'/2`` whole pairs; the target's pair ``i`` must turn at
 the target's frequency ``θ'^(-2i/R')``, so the kept donor pairs are ``j = i·s`` for a whole
 stride ``s`` with ``θ' = θ^(s·R'/R)``. Halving the head keeps every other pair at the same base;
-other ratios need another base, which the conversion then writes and reports.
+other ratios need another base, which the conversion then writes and reports. A whole stride
+at the same base reproduces every base at once, so families with rotary parameters per layer
+type (Gemma 3's local and global layers) change head size by such strides (and only so).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.models.adapters.base import Adapter, load_config
+from lmc_mergekit.models.adapters.base import Adapter, load_config, rotary_dims
 from lmc_mergekit.models.functional import module_config
 from lmc_mergekit.models.view import ModelSpec
 
@@ -37,10 +39,8 @@ SAME_KIND = (
 )
 # Scaled rotary types act on each frequency alone, so the kept pairs can keep their scaled
 # frequencies; these cannot (per-dimension factors, or one set of parameters per layer type).
-UNSCALABLE_ROPE = {
-    "longrope": "scales every rotary dimension by a factor of its own",
-    "per-layer-type": "gives each attention type rotary parameters of its own",
-}
+UNSCALABLE_ROPE = {"longrope": "scales every rotary dimension by a factor of its own"}
+PER_LAYER_TYPE = "per-layer-type"
 SIZES = (
     ("hidden_size", "hidden_size"),
     ("num_layers", "num_hidden_layers"),
@@ -107,25 +107,60 @@ def resolve_target(
 def _check_scaled_rotary(
     donor: ModelSpec, target: ModelSpec, plan: RotaryPlan, adapter: Adapter, folder: Path | None
 ) -> None:
-    """A one-line error unless the target's scaled rotary frequencies are the kept pairs'."""
+    """A one-line error unless the target's scaled rotary frequencies (of every layer type,
+    where each has its own) are the kept pairs'."""
     kind = donor.rope_type
+    if kind == PER_LAYER_TYPE and plan.adjusted:
+        raise LmcError(
+            f"a head of {target.head_dim} dims keeps no whole stride of the donor's rotary "
+            "pairs, and a new base cannot serve every attention type (each has rotary "
+            f"parameters of its own); choose a head size that divides {donor.head_dim} "
+            f"(e.g. {donor.head_dim // 2})"
+        )
+    if folder is None:
+        _refuse_rotary(
+            kind, UNSCALABLE_ROPE.get(kind, "is not one the tool can check per frequency")
+        )
+    made_config = module_config(folder, adapter, target)
+    kept_config = adapter.text_config(load_config(folder))
+    params = kept_config.rope_parameters or {}
+    for layer_type in list(params) if kind == PER_LAYER_TYPE else [None]:
+        kept = _frequencies(kept_config, layer_type)[list(plan.pairs)]
+        made = _frequencies(made_config, layer_type)
+        gap = float(((made - kept).abs() / kept.abs()).max())
+        if gap > 1e-5:
+            which = "" if layer_type is None else f" of {layer_type}"
+            raise LmcError(
+                f"the target's rotary frequencies{which} "
+                f"are not the kept pairs' (relative gap {gap:.1e}); choose a head size that "
+                "keeps every s-th pair at the donor's base"
+            )
+
+
+def _frequencies(config, layer_type: str | None) -> torch.Tensor:
+    """The rotary frequencies ``config`` gives (those of ``layer_type``, where each type has
+    its own), or a one-line error where they are not one per pair."""
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        head_dim = getattr(config, "head_dim", None)
+        dims = rotary_dims(config, head_dim or config.hidden_size // config.num_attention_heads)
+        steps = torch.arange(0, dims, 2, dtype=torch.float64) / dims
+        return float(params["rope_theta"]) ** -steps
     reason = UNSCALABLE_ROPE.get(kind)
-    if reason is None and (kind not in ROPE_INIT_FUNCTIONS or folder is None):
+    if reason is None and kind not in ROPE_INIT_FUNCTIONS:
         reason = "is not one the tool can check per frequency"
     if reason is not None:
-        raise LmcError(
-            f"the donor's rotary embedding (type {kind!r}) {reason}; its head size cannot "
-            "change: keep head_dim (and the rotary dims) of the donor"
-        )
+        _refuse_rotary(kind, reason)
     init = ROPE_INIT_FUNCTIONS[kind]
-    kept = init(load_config(folder), torch.device("cpu"))[0][list(plan.pairs)]
-    made = init(module_config(folder, adapter, target), torch.device("cpu"))[0]
-    gap = float(((made - kept).abs() / kept.abs()).max())
-    if gap > 1e-5:
-        raise LmcError(
-            f"the target's {kind} rotary frequencies are not the kept pairs' (relative gap "
-            f"{gap:.1e}); choose a head size that keeps every s-th pair at the donor's base"
-        )
+    return init(config, torch.device("cpu"), layer_type=layer_type)[0].double()
+
+
+def _refuse_rotary(kind: str, reason: str) -> None:
+    raise LmcError(
+        f"the donor's rotary embedding (type {kind!r}) {reason}; its head size cannot "
+        "change: keep head_dim (and the rotary dims) of the donor"
+    )
 
 
 def _target_from_sizes(donor: ModelSpec, adapter: Adapter, sizes: dict) -> ModelSpec:

@@ -26,6 +26,7 @@ from lmc_mergekit.zoo.tokenizer import cached_tokenizer
 from lmc_mergekit.zoo.train import DEFAULT_LR, DEFAULT_WARMUP, train_model
 
 __all__ = [
+    "BUNDLED",
     "ZOO_ARCHITECTURES",
     "ZOO_INFO",
     "build_zoo",
@@ -36,6 +37,8 @@ __all__ = [
 ]
 
 ZOO_INFO = "zoo_model.json"
+#: ``tokenizer_data`` naming the bundled corpus (``None`` names the training text itself).
+BUNDLED = "bundled"
 DEFAULT_VOCAB = 4096
 DEFAULT_SEQ_LEN = 128
 DEFAULT_BATCH = 16
@@ -55,10 +58,12 @@ def zoo_model_name(
     lr: float = DEFAULT_LR,
     warmup: int = DEFAULT_WARMUP,
     tied: bool = False,
+    tokenizer_tag: str | None = None,
 ) -> str:
     """The folder name of a zoo model, e.g. ``gpt_neox-d128-l4-s1500-seed0``; settings that
-    differ from the defaults and the fingerprint of non-bundled text are added before the seed
-    (``gpt_neox-d32-l2-s30-v512-ctx32-tied-data1a2b3c4d-seed0``)."""
+    differ from the defaults, the fingerprint of non-bundled text and that of a tokenizer's
+    text other than the training text are added before the seed
+    (``gpt_neox-d32-l2-s30-v512-ctx32-tied-data1a2b3c4d-tok5e6f7a8b-seed0``)."""
     parts = [arch, f"d{hidden}", f"l{layers}", f"s{steps}"]
     for tag, value, default in (
         ("v", vocab_size, DEFAULT_VOCAB),
@@ -73,6 +78,8 @@ def zoo_model_name(
         parts.append("tied")
     if data_tag:
         parts.append(f"data{data_tag}")
+    if tokenizer_tag:
+        parts.append(f"tok{tokenizer_tag}")
     return "-".join([*parts, f"seed{seed}"])
 
 
@@ -94,17 +101,23 @@ def build_zoo_model(
     warmup: int = DEFAULT_WARMUP,
     device: str | torch.device = "cpu",
     tied: bool = False,
+    tokenizer_data: str | Path | None = None,
 ) -> Path:
     """The folder ``root/<name>`` of a zoo model trained from scratch with these settings on
     ``data_source`` (``None``: the bundled corpus); trained and saved only if no finished one
     is there. The tokenizer is trained once per text and vocabulary size and cached under
     ``root/.tokenizers``. Training is bitwise reproducible on one device (the CPU by default:
     a model trained on a GPU is a different model under the same name). ``tied`` ties the LM
-    head to the token embeddings, as small Llama 3.2, Qwen3 and every Gemma do."""
+    head to the token embeddings, as small Llama 3.2, Qwen3 and every Gemma do.
+    ``tokenizer_data`` trains the tokenizer on other text (:data:`BUNDLED`: the bundled corpus)
+    than the model, so that models trained on different texts share one vocabulary and can be
+    merged."""
     check_architecture(arch, hidden, layers)
     root = Path(root).expanduser().absolute()
     source = None if data_source is None else str(data_source)
     fingerprint = data_fingerprint(source, field)
+    words = source if tokenizer_data is None else _tokenizer_text(tokenizer_data)
+    words_fingerprint = data_fingerprint(words, field)
     name = zoo_model_name(
         arch,
         hidden,
@@ -118,6 +131,7 @@ def build_zoo_model(
         lr=lr,
         warmup=warmup,
         tied=tied,
+        tokenizer_tag=None if words_fingerprint == fingerprint else words_fingerprint[:8],
     )
     out = root / name
     if (out / ZOO_INFO).is_file():
@@ -129,7 +143,7 @@ def build_zoo_model(
         )
 
     data = DataConfig(source=source, field=field, seq_len=seq_len)
-    tokenizer_dir = cached_tokenizer(root, source, field, vocab_size)
+    tokenizer_dir = cached_tokenizer(root, words, field, vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = zoo_config(
         arch, hidden, layers, len(tokenizer), seq_len, tokenizer.eos_token_id, tied=tied
@@ -152,6 +166,7 @@ def build_zoo_model(
         model.to("cpu").save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         info = _zoo_info(name, arch, config, data, fingerprint, record)
+        info["tokenizer"] = {"source": words, "fingerprint": words_fingerprint}
         (tmp / ZOO_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return out
 
@@ -197,6 +212,10 @@ def parse_seeds(text: str) -> list[int]:
             )
         seeds.extend(seed for seed in span if seed not in seeds)
     return seeds
+
+
+def _tokenizer_text(tokenizer_data: str | Path) -> str | None:
+    return None if str(tokenizer_data) == BUNDLED else str(tokenizer_data)
 
 
 def _check_same_data(folder: Path, fingerprint: str) -> None:
