@@ -91,7 +91,9 @@ def table(args) -> None:
         donor_loss = mean_token_loss(load_fp32(donor_dir), test).loss
         print(f"\n{arch} donor {donor_dir.name}: test loss {donor_loss:.3f}", flush=True)
         for axis in args.axes:
-            target, plan = resolve_target(view.spec, view.adapter, sizes_for(axis, view.spec))
+            target, plan = resolve_target(
+                view.spec, view.adapter, sizes_for(axis, view.spec), folder=donor_dir
+            )
             rows = {}
             for arm, config in [(SCRATCH, None), *ARMS.items()]:
                 started = time.perf_counter()
@@ -211,7 +213,9 @@ def cost_worker(donor_dir: str, what: str) -> None:
             for batch in calibration.split(16):
                 model(input_ids=batch, use_cache=False)
     else:
-        target, plan = resolve_target(view.spec, view.adapter, sizes_for("all", view.spec))
+        target, plan = resolve_target(
+            view.spec, view.adapter, sizes_for("all", view.spec), folder=donor_dir
+        )
         started = time.perf_counter()
         convert_model(
             view, target, plan, calibration, ConversionConfig(), torch.device("cpu"), False

@@ -8,8 +8,8 @@ Per architecture, two zoo models (d=128, 4 layers, 1500 steps, one tokenizer tra
 texts) from different seeds on different text: seed 0 on the ``--kjv`` files, seed 1 on the
 ``--austen`` files (copied, with their dates, to ``<zoo>/texts/``; default: the bundled corpus's
 KJV and Austen books). Each arm runs as an ``lmc_dm`` recipe through ``lmc-mergekit-yaml``'s
-pipeline (calibration on both texts) and is scored on each text's test split (``--eval``
-sequences each) and on both (the mean of the two):
+pipeline (calibration on both texts' train splits, taking turns) and is scored on each text's
+test split (``--eval`` sequences each) and on both (the mean of the two):
 
 - each endpoint; the plain average (``matching: none``, no learning); weight matching and
   activation matching (no learning); learned matching (the default recipe: ``matching: auto``
@@ -23,6 +23,7 @@ A merge *buys* something where it beats both endpoints on both texts together.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 import time
@@ -51,17 +52,40 @@ MERGES = {
 
 
 def gather_texts(root: Path, files: dict[str, list[Path]]) -> Path:
-    """``root/texts/<name>/`` holding each text's files (copied with their dates, so that the
-    zoo's fingerprints of them, and so its models, are reused by later runs)."""
+    """``root/texts/<name>/`` holding each text's files and nothing else (copied with their
+    dates, so that the zoo's fingerprints of them, and so its models, are reused by later
+    runs)."""
     texts = root / "texts"
     for name, paths in files.items():
         folder = texts / name
         folder.mkdir(parents=True, exist_ok=True)
+        for stale in set(folder.iterdir()) - {folder / p.name for p in paths}:
+            stale.unlink()
         for path in paths:
             copy = folder / path.name
-            if not copy.is_file() or copy.stat().st_size != path.stat().st_size:
+            if not copy.is_file() or _size_and_date(copy) != _size_and_date(path):
                 shutil.copy2(path, copy)
     return texts
+
+
+def _size_and_date(path: Path) -> tuple[int, int]:
+    return path.stat().st_size, path.stat().st_mtime_ns
+
+
+def calibration_text(texts: Path, tokenizer, out: Path) -> Path:
+    """A JSON Lines file of the train splits of every text, one sequence a line, the texts
+    taking turns: calibration that reads both texts from the first sequence on and never a
+    test sequence of either (the test splits are each text's own)."""
+    splits = [
+        load_split(DataConfig(source=str(texts / name)), tokenizer, "train") for name in TEXTS
+    ]
+    with out.open("w", encoding="utf-8") as file:
+        for row in range(max(len(split) for split in splits)):
+            for split in splits:
+                if row < len(split):
+                    text = tokenizer.decode(split[row], skip_special_tokens=True)
+                    file.write(json.dumps({"text": text}) + "\n")
+    return out
 
 
 @torch.no_grad()
@@ -136,24 +160,25 @@ def main() -> None:
             kjv, austen = losses["kjv"], losses["austen"]
             return kjv, austen, (kjv + austen) / 2
 
+        calibration = calibration_text(texts, tokenizer, work / f"{arch}-calibration.jsonl")
         endpoints = [load_causal_lm(m) for m in (a, b)]
         results = {
-            f"model {i} ({name})": scores(
+            f"{name} model (seed {i})": scores(
                 {t: mean_token_loss(model, s).loss for t, s in tests.items()}
             )
             for i, (name, model) in enumerate(zip(("KJV", "Austen"), endpoints, strict=True))
         }
         for label, settings in MERGES.items():
-            out, seconds = merged(label, a, b, texts, work, settings, args.steps)
+            out, seconds = merged(label, a, b, calibration, work, settings, args.steps)
             model = load_causal_lm(out)
             results[label] = scores({t: mean_token_loss(model, s).loss for t, s in tests.items()})
             notes.append(f"{arch} {label}: {seconds:.0f} s")
         results["output ensemble (2× cost)"] = scores(
             {t: ensemble_loss(endpoints, s) for t, s in tests.items()}
         )
-        best_both = min(results[k][2] for k in results if k.startswith("model"))
+        best_both = min(results[k][2] for k in results if k.endswith(")") and " model (seed" in k)
         for label, (kjv, austen, both) in results.items():
-            mark = "**" if both < best_both and not label.startswith("model") else ""
+            mark = "**" if both < best_both and " model (seed" not in label else ""
             rows.setdefault(label, {})[arch] = f"{kjv:.3f} / {austen:.3f} / {mark}{both:.3f}{mark}"
         print(f"{arch}: done ({', '.join(notes[-len(MERGES) :])})", flush=True)
     print("\n| test loss: KJV / Austen / both | " + " | ".join(args.arch) + " |")

@@ -654,3 +654,24 @@ def test_only_a_parallel_residual_with_post_norms_refuses_compensation(model_dir
             with pytest.raises(LmcError, match="post-norm of its own; set compensate: false"):
                 check_convertible(parallel, ConversionConfig(compensate=True))
         check_convertible(parallel, ConversionConfig(compensate=False))
+
+
+def test_a_write_through_a_post_norm_is_fitted_before_the_norm_and_stays_exact():
+    from lmc_mergekit.models.view import Norm
+    from lmc_mergekit.subclone.convert import _before_norm
+
+    g = torch.Generator().manual_seed(0)
+    weight, inputs = torch.randn(6, 5, generator=g), torch.randn(3, 7, 5, generator=g)
+    gain = torch.tensor([1.5, -0.7, 0.0, 2.0, 1.0, 0.3])  # a dead channel among them
+    norm = Norm(gain, torch.randn(6, generator=g))
+    written = inputs @ weight.T
+    # What the donor's norm added, over more channels than are kept (its rms is not ours).
+    update = gain * written / (2.0 * written.pow(2).mean(-1, keepdim=True).sqrt()) + norm.bias
+    assert torch.allclose(_before_norm(update, inputs, weight, None, norm), written, atol=1e-5)
+    # Another update: its direction, scaled to the selected write's size after the gain.
+    other = torch.randn(3, 7, 6, generator=g)
+    target = _before_norm(other, inputs, weight, None, norm)
+    live = gain != 0
+    ratio = (target[..., live] * gain[live]) / (other - norm.bias)[..., live]
+    assert torch.allclose(ratio, ratio[..., :1].expand_as(ratio), atol=1e-5)
+    assert torch.equal(target[..., 2], written[..., 2])

@@ -358,17 +358,17 @@ def _before_norm(
 ) -> torch.Tensor:
     """What a projection (``weight``, ``bias`` on ``inputs``) writing through ``norm`` should
     write for the norm to add ``update``: ``(update − β)/γ``, a direction per token, at the
-    size of what the selected projection writes."""
+    size of what the selected projection writes, the two sizes compared after the gain (where
+    the norm's output is: a channel of small gain weighs little). A channel of no gain takes
+    the selected projection's output: nothing it writes is seen."""
     gain = norm.gain.to(update)
-    floor = 1e-3 * gain.abs().mean().clamp_min(1e-30)  # a dead channel's target stays finite
-    gain = torch.where(gain.abs() < floor, floor, gain)
-    if norm.bias is not None:
-        update = update - norm.bias.to(update)
-    direction = update / gain
+    live = gain.abs() > 1e-3 * gain.abs().mean().clamp_min(1e-30)
+    wanted = update if norm.bias is None else update - norm.bias.to(update)
     selected = inputs @ weight.to(inputs).T
     if bias is not None:
         selected = selected + bias.to(inputs)
-    return direction * (_rms(selected) / _rms(direction).clamp_min(1e-30))
+    size = _rms((gain * selected)[..., live]) / _rms(wanted[..., live]).clamp_min(1e-30)
+    return torch.where(live, wanted / torch.where(live, gain, 1.0) * size, selected)
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
