@@ -176,7 +176,7 @@ def main() -> None:
         results["output ensemble (2× cost)"] = scores(
             {t: ensemble_loss(endpoints, s) for t, s in tests.items()}
         )
-        best_both = min(results[k][2] for k in results if k.endswith(")") and " model (seed" in k)
+        best_both = min(results[k][2] for k in results if " model (seed" in k)
         for label, (kjv, austen, both) in results.items():
             mark = "**" if both < best_both and " model (seed" not in label else ""
             rows.setdefault(label, {})[arch] = f"{kjv:.3f} / {austen:.3f} / {mark}{both:.3f}{mark}"
