@@ -128,6 +128,17 @@ def test_assignment_on_candidates_finds_the_optimum(n, noise):
         assert torch.equal(perm, shuffle)
 
 
+def test_assignment_on_candidates_reaches_partners_behind_columns_every_row_prefers():
+    # 40 columns are every row's favourites (as neurons that fire on every token): no row's
+    # own top candidates hold its partner, each column's top rows do.
+    n, hubs = 200, 40
+    similarity, shuffle = _planted(n, 0.1, seed=3)
+    similarity[:, :hubs] += 2 * float(similarity.max())
+    perm, score = assignment.best_permutation(similarity)
+    assert torch.equal(perm, shuffle)
+    assert score == pytest.approx(_dense_optimum(similarity), rel=1e-12)
+
+
 def test_assignment_on_candidates_never_loses_to_the_current_one():
     # Unrelated rows: the optimum may use edges outside the candidates; the current assignment
     # (the dense optimum itself, here) is always one of them, so it is never lost.

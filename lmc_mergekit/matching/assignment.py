@@ -9,7 +9,8 @@ from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
 from lmc_mergekit.models.view import MLP, Attention, ModelSpec
 
-#: Columns per row the assignment considers (besides the row's current partner).
+#: Columns per row, and rows per column, the assignment considers (besides the row's current
+#: partner).
 CANDIDATES = 32
 
 
@@ -19,10 +20,13 @@ def best_permutation(
     """``perm`` maximising ``Σ_i similarity[i, perm[i]]`` over the candidate graph, and that
     sum.
 
-    Candidates are each row's :data:`CANDIDATES` most similar columns plus its ``current``
-    partner (the identity by default): scipy's sparse solver (LAPJVsp) then finds the best
-    assignment using only those edges. Up to ``CANDIDATES`` columns that is every edge (solved
-    densely), hence the exact optimum; above, it is the optimum wherever the best partners are
+    Candidates are each row's :data:`CANDIDATES` most similar columns, each column's most
+    similar rows (where a few columns are every row's favourites, as neurons that fire on
+    every token are, the rows alone would leave the others nearly no edge, and the solver then
+    searches for minutes) and each row's ``current`` partner (the identity by default):
+    scipy's sparse solver (LAPJVsp) then finds the best assignment using only those edges. Up
+    to ``CANDIDATES`` columns that is every edge (solved densely), hence the exact optimum;
+    above, it is the optimum wherever the best partners are
     near the top (so far always, in trained pairs) and never worse than ``current``, so a
     descent that re-solves a layer cannot lose ground. Dense assignment grows as ``n³`` (15 s
     at 8192 on two cores), the candidate graph as ``n·CANDIDATES`` (under a second).
@@ -33,7 +37,9 @@ def best_permutation(
     current = torch.arange(n) if current is None else current
     top = similarity.topk(min(n, CANDIDATES), dim=1).indices
     edges = torch.cat([top, current[:, None]], dim=1) + n * torch.arange(n)[:, None]
-    edges = torch.unique(edges.reshape(-1))  # a current partner among the top ones counts once
+    by_column = similarity.topk(min(n, CANDIDATES), dim=0).indices * n + torch.arange(n)
+    # An edge found both ways counts once.
+    edges = torch.unique(torch.cat([edges.reshape(-1), by_column.reshape(-1)]))
     rows, cols = edges // n, edges % n
     values = similarity[rows, cols].double()
     # Stored values are edges: shifted positive so that none reads as absent (every full
