@@ -215,8 +215,7 @@ def test_subclone_to_half_width_selects_the_projector_with_the_stream(with_text,
     body = recipe(
         "subclone_compensate",
         [donor],
-        hidden_size=24,
-        compensate=False,  # post-norms: no linear refit
+        hidden_size=24,  # compensated through the post-norms (the default)
         calibration_sequences=16,
         seq_len=32,
         evaluate=False,
