@@ -42,10 +42,14 @@ def best_permutation(
     edges = torch.unique(torch.cat([edges.reshape(-1), by_column.reshape(-1)]))
     rows, cols = edges // n, edges % n
     values = similarity[rows, cols].double()
-    # Stored values are edges: shifted positive so that none reads as absent (every full
-    # assignment has n edges, so the shift does not change which one is best).
-    graph = csr_matrix(((values - values.min() + 1).numpy(), (rows.numpy(), cols.numpy())), (n, n))
-    solved_rows, solved_cols = min_weight_full_bipartite_matching(graph, maximize=True)
+    # The solver gets whole-number costs from 1 to 2³⁰+1 (every full assignment has n edges, so
+    # the shift does not change which one is best, and no cost is 0, which would read as no
+    # edge): on float weights LAPJVsp can loop forever (scipy issue 17269; met here on trained
+    # Gemma 2 neurons), on whole numbers below 2⁵³ its sums are exact.
+    span = (values.max() - values.min()).clamp_min(1e-300)
+    costs = torch.round((values.max() - values) / span * 2**30) + 1
+    graph = csr_matrix((costs.numpy(), (rows.numpy(), cols.numpy())), (n, n))
+    solved_rows, solved_cols = min_weight_full_bipartite_matching(graph)
     perm = torch.empty(n, dtype=torch.long)
     perm[torch.as_tensor(solved_rows).long()] = torch.as_tensor(solved_cols).long()
     return perm, float(similarity[torch.arange(n), perm].sum())
