@@ -24,8 +24,8 @@ included:
 - ``learn``: the same with one learned-matching step (the recipe's default batch), no
   evaluation;
 - ``subclone``: ``subclone_compensate`` of the first checkpoint to the next size down of the
-  family through ``target_config`` (compensation off for post-norm families, which the tool
-  converts without it), no evaluation;
+  family through ``target_config`` (compensated; post-norm families through their
+  post-norms), no evaluation;
 - ``ls_merge``: a self-merge (``samples: 1``) of the first checkpoint, encoded with an
   autoencoder of the default size given to the recipe (trained beforehand in its own process
   for ``--ae-steps`` steps on the blocks and slices of the embeddings: the measured pass is the
@@ -70,8 +70,6 @@ class RealConfig:
     eos: str
     #: Sizes of the next size down (the rest of the configuration kept).
     smaller: dict
-    #: Post-norm families convert without compensation.
-    compensate: bool = True
     note: str = ""
     vision: dict = field(default_factory=dict)
 
@@ -172,7 +170,6 @@ CONFIGS: dict[str, RealConfig] = {
             "num_key_value_heads": 2,
             "intermediate_size": 4608,
         },
-        compensate=False,
         note="the smallest Gemma 2: half width, head size 256 kept",
     ),
     "olmo-2-1b": RealConfig(
@@ -199,7 +196,6 @@ CONFIGS: dict[str, RealConfig] = {
             "num_key_value_heads": 8,
             "intermediate_size": 4096,
         },
-        compensate=False,
         note="OLMo-2-0425-1B is the smallest OLMo 2: half width, head size 128 kept",
     ),
     "gemma-3-4b": RealConfig(
@@ -229,7 +225,6 @@ CONFIGS: dict[str, RealConfig] = {
             "num_key_value_heads": 2,
             "intermediate_size": 6912,
         },
-        compensate=False,
         note="Gemma 3 1B's width and MLP (its vocabulary differs: the 4B's kept), head size 256",
         vision={
             "hidden_size": 1152,
@@ -389,7 +384,6 @@ def recipe(kind: str, folders: list[Path], name: str, args) -> dict:
             "models": [{"model": str(folders[0])}],
             "subclone": {
                 "target_config": str(target_config(name, folders[0], args)),
-                "compensate": CONFIGS[name].compensate,
                 "calibration_sequences": args.calibration_sequences,
                 "evaluate": False,
             },

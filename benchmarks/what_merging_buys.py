@@ -27,6 +27,8 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -99,6 +101,17 @@ def ensemble_loss(models: list, sequences: torch.Tensor, batch_size: int = 16) -
     return total / (sequences.shape[0] * (sequences.shape[1] - 1))
 
 
+def scores(loss_of: Callable, tests: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+    """The losses on the KJV's and Austen's test sequences and their mean, ``loss_of`` scoring
+    one text's sequences."""
+    kjv, austen = (loss_of(tests[name]) for name in TEXTS)
+    return kjv, austen, (kjv + austen) / 2
+
+
+def _loss_of(model) -> Callable:
+    return lambda sequences: mean_token_loss(model, sequences).loss
+
+
 def merged(label: str, a: Path, b: Path, data: Path, work: Path, settings: dict, steps: int):
     """The folder of the ``lmc_dm`` merge of ``a`` and ``b`` with alignment ``settings``, and
     the seconds the whole command took."""
@@ -135,7 +148,6 @@ def main() -> None:
     texts = gather_texts(args.zoo, {"kjv": args.kjv, "austen": args.austen})
     work = Path(tempfile.mkdtemp(prefix="merging-buys-"))
     rows: dict[str, dict[str, str]] = {}
-    notes = []
     for arch in args.arch:
         a, b = (
             build_zoo_model(
@@ -156,31 +168,23 @@ def main() -> None:
             for name in TEXTS
         }
 
-        def scores(losses: dict[str, float]) -> tuple[float, float, float]:
-            kjv, austen = losses["kjv"], losses["austen"]
-            return kjv, austen, (kjv + austen) / 2
-
         calibration = calibration_text(texts, tokenizer, work / f"{arch}-calibration.jsonl")
         endpoints = [load_causal_lm(m) for m in (a, b)]
         results = {
-            f"{name} model (seed {i})": scores(
-                {t: mean_token_loss(model, s).loss for t, s in tests.items()}
-            )
+            f"{name} model (seed {i})": scores(_loss_of(model), tests)
             for i, (name, model) in enumerate(zip(("KJV", "Austen"), endpoints, strict=True))
         }
+        seconds = {}
         for label, settings in MERGES.items():
-            out, seconds = merged(label, a, b, calibration, work, settings, args.steps)
-            model = load_causal_lm(out)
-            results[label] = scores({t: mean_token_loss(model, s).loss for t, s in tests.items()})
-            notes.append(f"{arch} {label}: {seconds:.0f} s")
-        results["output ensemble (2× cost)"] = scores(
-            {t: ensemble_loss(endpoints, s) for t, s in tests.items()}
-        )
+            out, seconds[label] = merged(label, a, b, calibration, work, settings, args.steps)
+            results[label] = scores(_loss_of(load_causal_lm(out)), tests)
+        results["output ensemble (2× cost)"] = scores(partial(ensemble_loss, endpoints), tests)
         best_both = min(results[k][2] for k in results if " model (seed" in k)
         for label, (kjv, austen, both) in results.items():
             mark = "**" if both < best_both and " model (seed" not in label else ""
             rows.setdefault(label, {})[arch] = f"{kjv:.3f} / {austen:.3f} / {mark}{both:.3f}{mark}"
-        print(f"{arch}: done ({', '.join(notes[-len(MERGES) :])})", flush=True)
+        took = ", ".join(f"{label}: {t:.0f} s" for label, t in seconds.items())
+        print(f"{arch}: done ({took})", flush=True)
     print("\n| test loss: KJV / Austen / both | " + " | ".join(args.arch) + " |")
     print("|---|" + "---|" * len(args.arch))
     for label, cells in rows.items():

@@ -165,8 +165,8 @@ def build_zoo_model(
         )
         model.to("cpu").save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        info = _zoo_info(name, arch, config, data, fingerprint, record)
-        info["tokenizer"] = {"source": words, "fingerprint": words_fingerprint}
+        tokenizer_text = {"source": words, "fingerprint": words_fingerprint}
+        info = _zoo_info(name, arch, config, data, fingerprint, tokenizer_text, record)
         (tmp / ZOO_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return out
 
@@ -227,7 +227,7 @@ def _check_same_data(folder: Path, fingerprint: str) -> None:
         )
 
 
-def _zoo_info(name, arch, config, data, fingerprint, record) -> dict:
+def _zoo_info(name, arch, config, data, fingerprint, tokenizer_text, record) -> dict:
     import torch
     import transformers
 
@@ -249,6 +249,7 @@ def _zoo_info(name, arch, config, data, fingerprint, record) -> dict:
             "seq_len": data.seq_len,
             "fingerprint": fingerprint,
         },
+        "tokenizer": tokenizer_text,
         "training": record,
         "created_unix": time.time(),
         "versions": {
