@@ -10,7 +10,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import build_model, logits, probe_ids
+from tiny_models import build_model, logits, probe_ids, stored_tensors
 
 from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
 
@@ -71,6 +71,34 @@ def test_scramble_writes_an_equivalent_model(model_dirs, tmp_path):
         torch.testing.assert_close(
             logits(out, probe_ids()), logits(model_dirs[kind], probe_ids()), atol=5e-5, rtol=0
         )
+        tied = json.loads((model_dirs[kind] / "config.json").read_text())["tie_word_embeddings"]
+        written = json.loads((out / "config.json").read_text())
+        assert written["tie_word_embeddings"] is tied  # a tied model stays tied
+        assert ("tied embeddings kept" in result.output) is tied
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["kept", "untied"])
+def test_scramble_keeps_a_tie_unless_asked_to_untie(model_dirs, tmp_path, untie):
+    source = model_dirs["qwen2_gqa_bias_tied"]
+    out = tmp_path / "out"
+    args = ["scramble", str(source), str(out), "--seed", "3"] + (["--untie"] * untie)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert ("untied (--untie)" if untie else "tied embeddings kept") in result.output
+    assert ("lm_head.weight" in stored_tensors(out)) is untie
+    torch.testing.assert_close(
+        logits(out, probe_ids()), logits(source, probe_ids()), atol=5e-5, rtol=0
+    )
+    moved, original = stored_tensors(out), stored_tensors(source)
+    embedding = "model.embed_tokens.weight"
+    # Kept: the embedding is a signed permutation of the scaled original's columns, so each
+    # column's largest magnitude is one of the original's (times the scale).
+    if not untie:
+        ratio = (
+            moved[embedding].abs().amax(0).sort().values
+            / original[embedding].abs().amax(0).sort().values
+        )
+        torch.testing.assert_close(ratio, ratio[:1].expand_as(ratio))
 
 
 def test_lmc_dm_pipeline_with_cache_and_card(tmp_path):

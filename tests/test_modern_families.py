@@ -193,4 +193,4 @@ def test_auto_matching_reads_text_where_the_residual_group_is_discrete(
 
     assert (key() == key(matching=runs)) and (key() != key(matching="none"))
     assert (key() == key(seq_len=64)) == (runs == "weights")  # the text counts where it is read
-    assert AlignmentSettings().resolved_matching(open_model(a).spec, with_text=False) == "weights"
+    assert AlignmentSettings().resolved_matching([open_model(a).spec], with_text=False) == "weights"

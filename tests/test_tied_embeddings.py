@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from tokenizer_helpers import model_with_tokenizer
 
-from lmc_mergekit.plugin.cli import mergekit_yaml_main
+from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
 
 EVAL = {"seq_len": 32, "eval_sequences": 8, "points": 3, "batch_size": 2}
 
@@ -77,3 +77,39 @@ def test_keep_writes_tied_inputs_and_a_tied_merge(tied_pair, tmp_path):
             pair["raw"]["endpoint_losses"], abs=1e-4
         )
     assert "keeps it tied" in (out / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def tied_and_untied(tied_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """A tied model and a scrambled copy of it saved untied: one function, two tie states
+    (as a tied base and a fine-tune saved with its own head)."""
+    copy = tmp_path_factory.mktemp("mixed") / "untied"
+    args = ["scramble", str(tied_pair[0]), str(copy), "--seed", "4", "--untie"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert not tied(copy) and tied(tied_pair[0])
+    return tied_pair[0], copy
+
+
+@pytest.mark.parametrize("order", ["tied_first", "untied_first"])
+@pytest.mark.parametrize("ties", ["untie", "keep"])
+def test_a_tied_model_and_an_untied_copy_are_aligned_measured_and_merged(
+    tied_and_untied, tmp_path, order, ties
+):
+    pair = tied_and_untied if order == "tied_first" else tied_and_untied[::-1]
+    out = run(pair, tmp_path, steps=0, tied_embeddings=ties)
+    report = json.loads((out / "lmc_report.json").read_text())
+    paths = report["pairs"][0]
+    # The raw path is measured although one end is tied and the other not: both ends compute
+    # one function, so their losses agree, and matching undoes the scramble.
+    ends = paths["raw"]["endpoint_losses"]
+    assert ends[0] == pytest.approx(ends[1], abs=1e-4)
+    assert abs(paths["raw"]["losses"][1] - ends[0]) > 0.05  # the raw mix is another model
+    assert abs(paths["matched"]["barrier"]) < 1e-3
+    assert report["merged"]["test_loss"] == pytest.approx(ends[0], abs=1e-3)
+    # A tie cannot be kept with an untied input: the tied one is untied, and that is said.
+    record = report["tied_embeddings"]
+    assert record["kept"] is False and record["added_parameters"] > 0
+    assert record["inputs_tied"] == ([True, False] if order == "tied_first" else [False, True])
+    assert not tied(out) and "lm_head.weight" in keys(out)
+    assert "the others store a head of their own" in (out / "README.md").read_text()

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.checkpoint import CheckpointReader, row_slices
 from lmc_mergekit.runtime.records import Record
 
@@ -75,10 +76,13 @@ def interpolation_losses(
 ) -> PathLoss:
     """``L(λ)`` on the grid, evaluated on one float32 model object whose weights are set in
     place, for each λ, to ``lerp(A, B, λ)`` read from the two checkpoints a slice of rows at a
-    time: the memory is one model in float32 and a slice of each endpoint."""
+    time: the memory is one model in float32 and a slice of each endpoint. Where one endpoint
+    ties its LM head to its embeddings and the other does not, the path runs untied (the tied
+    one's head is its embedding)."""
     grid = lambda_grid(points)
-    model = load_fp32(Path(model_a)).to(device)
-    ends = _Endpoints(model, Path(model_a), Path(model_b))
+    a, b, untied = endpoint_readers(Path(model_a), Path(model_b))
+    model = load_fp32(Path(model_a), untie=untied).to(device)
+    ends = _Endpoints(model, a, b)
     losses = []
     for lam in tqdm(grid, desc="loss along the path", disable=not progress, leave=False):
         ends.interpolate(lam)
@@ -97,9 +101,10 @@ class _Endpoints:
     own renaming of checkpoint keys; checked: the weight must hold that tensor of A). A weight
     tied to another is set through that one."""
 
-    def __init__(self, model, model_a: Path, model_b: Path):
-        self.a, self.b = CheckpointReader(model_a), CheckpointReader(model_b)
-        _check_same_tensors(self.a, self.b, model_a, model_b)
+    def __init__(self, model, a: CheckpointReader, b: CheckpointReader):
+        self.a, self.b = a, b
+        model_a = a.folder
+        _check_same_tensors(a, b, model_a, b.folder)
         state = model.state_dict()
         loaded_from = _loaded_from(model, self.a.names, state)
         # A buffer the checkpoint does not store is made from the config: A's is B's.
@@ -111,7 +116,8 @@ class _Endpoints:
                 continue
             seen.add(target.data_ptr())
             key = loaded_from.get(name)
-            if key is None or not self._holds(target, key):
+            # A head untied from A's embeddings was not loaded: it is set at every λ.
+            if key is None or not (key in a.aliases or self._holds(target, key)):
                 raise LmcError(
                     f"{model_a}: transformers loads {name!r} from no tensor of the checkpoint "
                     "as it is; the path cannot be evaluated from the checkpoints"
@@ -134,6 +140,24 @@ class _Endpoints:
             for rows in _slices(target):
                 a, b = (_read(reader, key, rows).to(target) for reader in (self.a, self.b))
                 _rows(target, rows).copy_(torch.lerp(a, b, lam))
+
+
+def endpoint_readers(
+    model_a: Path, model_b: Path
+) -> tuple[CheckpointReader, CheckpointReader, bool]:
+    """Readers of the two checkpoints, and whether the path must run untied: where exactly one
+    ties its LM head to its embeddings, its reader also gives the embedding under the key the
+    other stores its head under."""
+    views = [open_model(folder) for folder in (model_a, model_b)]
+    readers = [CheckpointReader(view.folder) for view in views]
+    tied = [view.spec.tied_embeddings for view in views]
+    if tied[0] == tied[1]:
+        return readers[0], readers[1], False
+    which = tied.index(True)
+    head, _ = views[1 - which].adapter.tie_keys(readers[1 - which])
+    _, embeddings = views[which].adapter.tie_keys(readers[which])
+    readers[which] = CheckpointReader(views[which].folder, {head: embeddings})
+    return readers[0], readers[1], True
 
 
 def _loaded_from(model, keys: frozenset[str], state: dict) -> dict[str, str]:
@@ -175,7 +199,7 @@ def _check_same_tensors(a: CheckpointReader, b: CheckpointReader, model_a, model
         only = sorted(a.names ^ b.names)[:3]
         raise LmcError(
             f"{model_a} and {model_b} have different parameters ({', '.join(only)}); the path "
-            "needs two models of one architecture and shape (tied vs untied embeddings count)"
+            "needs two models of one architecture and shape"
         )
     for name in sorted(a.names):
         if a.shape(name) != b.shape(name):

@@ -23,6 +23,7 @@ time; the others (GPT-2 scaling attention by layer index) are loaded whole.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -61,12 +62,33 @@ def probe_batch(
     return torch.randint(0, vocab_size, shape, generator=generator)
 
 
-def load_fp32(folder: Path, trust_remote_code: bool = False) -> torch.nn.Module:
-    """A checkpoint as a float32 ``transformers`` model in eval mode."""
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, trust_remote_code=trust_remote_code
-    )
+def load_fp32(
+    folder: Path, trust_remote_code: bool = False, untie: bool = False
+) -> torch.nn.Module:
+    """A checkpoint as a float32 ``transformers`` model in eval mode; with ``untie``, one
+    whose LM head is a parameter of its own (a tied checkpoint's is left uninitialised)."""
+    overrides = {"tie_word_embeddings": False} if untie else {}
+    with _quiet_loading():  # an untied load of a tied checkpoint reports its head missing
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            dtype=torch.float32,
+            trust_remote_code=trust_remote_code,
+            use_kernels=False,  # the stock modules: hub kernels change the numbers checked
+            **overrides,
+        )
     return model.eval()
+
+
+@contextmanager
+def _quiet_loading():
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 @torch.no_grad()
@@ -211,6 +233,7 @@ def layout_problem(folder: Path, trust_remote_code: bool = False) -> str | None:
             str(folder),
             device_map="meta",
             output_loading_info=True,
+            use_kernels=False,  # transformers >= 5.2x kernelizes by default, not on meta
             trust_remote_code=trust_remote_code,
         )
     except (OSError, ValueError, RuntimeError) as error:

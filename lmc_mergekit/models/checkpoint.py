@@ -155,10 +155,14 @@ def _stored_tensors(folder: Path):
 
 
 class CheckpointReader:
-    """Lazy access to the tensors of a checkpoint folder, checked for NaN and Inf on read."""
+    """Lazy access to the tensors of a checkpoint folder, checked for NaN and Inf on read.
 
-    def __init__(self, folder: Path):
+    ``aliases`` (name → stored name) make stored tensors readable under a second name too: a
+    tied checkpoint's embedding as the LM head an untied one stores."""
+
+    def __init__(self, folder: Path, aliases: dict[str, str] | None = None):
         self.folder = folder
+        self._aliases = dict(aliases or {})
         if not any(folder.glob("*.safetensors")):
             raise LmcError(
                 f"{folder} holds no .safetensors weights; convert it with "
@@ -169,7 +173,7 @@ class CheckpointReader:
         self._paths = {
             name: Path(index.base_path) / shard for name, shard in index.tensor_paths.items()
         }
-        self._names = set(index.tensor_paths)
+        self._names = set(index.tensor_paths) | self._aliases.keys()
         self._checked: set[str] = set()  # passes read some tensors every round: check once
 
     def has(self, name: str) -> bool:
@@ -178,8 +182,13 @@ class CheckpointReader:
 
     @property
     def names(self) -> frozenset[str]:
-        """Every stored tensor name."""
+        """Every stored tensor name (and alias)."""
         return frozenset(self._names)
+
+    @property
+    def aliases(self) -> frozenset[str]:
+        """The names that are aliases of stored tensors."""
+        return frozenset(self._aliases)
 
     def get(self, name: str, optional: bool = False) -> torch.Tensor | None:
         """The tensor ``name``; None for a missing optional one."""
@@ -187,6 +196,7 @@ class CheckpointReader:
             if optional:
                 return None
             raise LmcError(f"{self.folder} lacks tensor {name!r}; is the checkpoint complete?")
+        name = self._aliases.get(name, name)
         tensor = self._loader.get_tensor(name)
         # Closing the shard unmaps it: pages of a kept mapping count as this process's memory,
         # and would add up to the whole checkpoint over a pass.
@@ -199,20 +209,20 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of the tensor ``name`` (read from its shard's header)."""
         with safe_open(str(self._path(name)), "pt") as fp:
-            return tuple(fp.get_slice(name).get_shape())
+            return tuple(fp.get_slice(self._aliases.get(name, name)).get_shape())
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (first dimension) of the tensor ``name``, read alone: a slice of
         a whole embedding costs the slice, not the embedding."""
         with safe_open(str(self._path(name)), "pt") as fp:
-            tensor = fp.get_slice(name)[start:stop]
+            tensor = fp.get_slice(self._aliases.get(name, name))[start:stop]
         self._check_finite(name, tensor)
         return tensor
 
     def _path(self, name: str) -> Path:
         if name not in self._names:
             raise LmcError(f"{self.folder} lacks tensor {name!r}; is the checkpoint complete?")
-        return self._paths[name]
+        return self._paths[self._aliases.get(name, name)]
 
     def _check_finite(self, name: str, tensor: torch.Tensor) -> None:
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():

@@ -108,8 +108,15 @@ class Norm:
 
     @property
     def gain(self) -> torch.Tensor:
-        """The effective gain."""
-        return self.weight + self.offset if self.offset else self.weight
+        """The effective gain, in float32 at least where an offset is added: transformers adds
+        it in float32 (Gemma's ``1 + w.float()``), and ``1 + w`` rounded to bf16 moves a
+        gain near 1 by up to 2⁻⁸."""
+        if not self.offset:
+            return self.weight
+        weight = self.weight
+        if weight.is_floating_point() and weight.element_size() < 4:
+            weight = weight.float()
+        return weight + self.offset
 
     def with_gain(self, gain: torch.Tensor, bias: torch.Tensor | None = None) -> Norm:
         """This norm with the effective gain ``gain`` (stored as ``gain - offset``)."""

@@ -157,9 +157,8 @@ class AlignmentSettings(TextSettings):
     def preparation_settings(self, inputs: Sequence[Path] = ()) -> dict:
         settings = super().preparation_settings(inputs)
         if settings["matching"] == "auto" and inputs:  # keyed by what runs
-            settings["matching"] = self.resolved_matching(
-                open_model(inputs[0]).spec, shared_text(inputs)
-            )
+            specs = [open_model(path).spec for path in inputs]
+            settings["matching"] = self.resolved_matching(specs, shared_text(inputs))
         unread = set()
         if not self.steps:
             unread |= set(LEARNING_KEYS)
@@ -171,22 +170,26 @@ class AlignmentSettings(TextSettings):
             settings.pop(key, None)
         return settings
 
-    def resolved_matching(self, spec: ModelSpec, with_text: bool = True) -> Matching:
-        """The matching these settings run on models of ``spec`` (``auto`` resolved; models
+    def keeps_tie(self, specs: Sequence[ModelSpec]) -> bool:
+        """Whether ties are kept for inputs of ``specs``: asked for, and every input tied."""
+        return self.tied_embeddings == "keep" and all(spec.tied_embeddings for spec in specs)
+
+    def resolved_matching(self, specs: Sequence[ModelSpec], with_text: bool = True) -> Matching:
+        """The matching these settings run on inputs of ``specs`` (``auto`` resolved; models
         without one tokenizer (``with_text`` false) have no text to be matched on)."""
         if self.matching != "auto":
             return self.matching
-        keep_tie = spec.tied_embeddings and self.tied_embeddings == "keep"
-        discrete = symmetry_group(spec, keep_tie).residual in ("signed_permutation", "permutation")
+        group = symmetry_group(specs[0], self.keeps_tie(specs))
+        discrete = group.residual in ("signed_permutation", "permutation")
         return "activations" if discrete and with_text else "weights"
 
     def combining_method(self) -> str | None:
         return self.combine
 
-    def align_config(self, spec: ModelSpec, with_text: bool = True) -> AlignConfig:
-        """What :func:`~lmc_mergekit.matching.align.align` does for these settings on models of
-        ``spec`` (that have tokenizers, or not: ``with_text``)."""
-        keep_tie = spec.tied_embeddings and self.tied_embeddings == "keep"
+    def align_config(self, specs: Sequence[ModelSpec], with_text: bool = True) -> AlignConfig:
+        """What :func:`~lmc_mergekit.matching.align.align` does for these settings on inputs
+        of ``specs`` (that have tokenizers, or not: ``with_text``)."""
+        keep_tie = self.keeps_tie(specs)
         learning = None
         if self.steps:
             learning = LearningConfig(
@@ -204,7 +207,7 @@ class AlignmentSettings(TextSettings):
                 keep_tie=keep_tie,
             )
         return AlignConfig(
-            self.resolved_matching(spec, with_text),
+            self.resolved_matching(specs, with_text),
             self.max_iterations,
             learning,
             keep_tie,
@@ -233,11 +236,15 @@ class LearningRecord(Record):
 class TieRecord(Record):
     """What became of inputs that tie their LM head to their embeddings: kept tied, or untied
     (a separate head of ``vocab × hidden`` parameters added to every prepared input and to the
-    merged model; bytes as stored)."""
+    merged model; bytes as stored). ``inputs_tied`` says which inputs were tied: a tie is kept
+    only where every input ties (``tied_embeddings: keep``)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("inputs_tied",)
 
     kept: bool
     added_parameters: int
     added_bytes: int
+    inputs_tied: list[bool] | None = None
 
     def card_line(self) -> str:
         """One sentence for the model card."""
@@ -246,11 +253,20 @@ class TieRecord(Record):
                 "The inputs tie their LM head to their embeddings and the merge keeps it tied "
                 "(`tied_embeddings: keep`: residual maps restricted to signed permutations)."
             )
+        added = (
+            f"adding an LM head of {self.added_parameters:,} parameters "
+            f"({self.added_bytes / 2**20:,.0f} MiB as stored) to the merged model."
+        )
+        if self.inputs_tied is not None and not all(self.inputs_tied):
+            tied = [str(i + 1) for i, t in enumerate(self.inputs_tied) if t]
+            return (
+                f"Input {', '.join(tied)} of the {len(self.inputs_tied)} ties its LM head to "
+                "its embeddings and the others store a head of their own; alignment untied "
+                f"the tied ones, {added}"
+            )
         return (
             "The inputs tie their LM head to their embeddings; alignment untied it "
-            "(`tied_embeddings: untie`), adding an LM head of "
-            f"{self.added_parameters:,} parameters ({self.added_bytes / 2**20:,.0f} MiB as "
-            "stored) to the merged model."
+            f"(`tied_embeddings: untie`), {added}"
         )
 
 
@@ -341,7 +357,8 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         views = ctx.open_inputs()
         if len(views) < 2:
             raise LmcError("lmc_dm merges two or more models; the recipe lists one")
-        config = settings.align_config(views[0].spec, shared_text(ctx.inputs))
+        specs = [view.spec for view in views]
+        config = settings.align_config(specs, shared_text(ctx.inputs))
         ctx.load_test()  # data before any heavy work
         calibration = None
         if config.reads_text:
@@ -379,7 +396,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         matching=alignment.matching,
         learning=learning,
         seconds={key: round(value, 3) for key, value in seconds.items()},
-        tied_embeddings=_tie_record(views[0].spec, written[0], ctx.outputs[0]),
+        tied_embeddings=_tie_record(specs, written[0], ctx.outputs[0]),
     )
 
 
@@ -401,15 +418,18 @@ def write_moved(
     ]
 
 
-def _tie_record(source: ModelSpec, written: ModelSpec, folder: Path) -> TieRecord | None:
-    """What became of a tied input's tie (None for untied inputs)."""
-    if not source.tied_embeddings:
+def _tie_record(sources: Sequence[ModelSpec], written: ModelSpec, folder: Path) -> TieRecord | None:
+    """What became of tied inputs' ties (None where no input is tied)."""
+    tied = [spec.tied_embeddings for spec in sources]
+    if not any(tied):
         return None
+    source = sources[0]
     parameters = 0 if written.tied_embeddings else source.vocab_size * source.hidden_size
     return TieRecord(
         kept=written.tied_embeddings,
         added_parameters=parameters,
         added_bytes=parameters * stored_dtype(folder).itemsize,
+        inputs_tied=None if all(tied) else tied,
     )
 
 

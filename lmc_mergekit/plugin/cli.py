@@ -125,6 +125,12 @@ def main() -> None:
     default=None,
     help="Also write the applied transform to this file",
 )
+@click.option(
+    "--untie",
+    is_flag=True,
+    help="For a model whose LM head is tied to its embeddings: write a separate head, so that "
+    "the residual map can be any rotation the model admits [default: keep the tie]",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists")
 @click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own code to run")
 @one_line_errors
@@ -133,6 +139,7 @@ def scramble_command(
     out: str,
     seed: int,
     save_transform: Path | None,
+    untie: bool,
     overwrite: bool,
     trust_remote_code: bool,
 ) -> None:
@@ -140,13 +147,23 @@ def scramble_command(
 
     The copy computes the same function (checked before it is kept) but its weights are
     permuted, rotated, rescaled and re-mixed per head: a hard test case for any merge method.
+    A tied model stays tied (its residual map is then a signed permutation) unless --untie.
     """
     from lmc_mergekit.models.adapters import open_model
     from lmc_mergekit.symmetry import random_transform
     from lmc_mergekit.symmetry.transform import save_transform as write_transform
 
-    transform = random_transform(open_model(model, trust_remote_code).spec, seed)
+    spec = open_model(model, trust_remote_code).spec
+    keep_tie = spec.tied_embeddings and not untie
+    transform = random_transform(spec, seed, keep_tie=keep_tie)
     _transform_and_report(model, out, transform, overwrite, trust_remote_code)
+    if spec.tied_embeddings:
+        click.echo(
+            "tied embeddings kept: the residual map is a signed permutation (--untie for any "
+            "rotation)"
+            if keep_tie
+            else "tied embeddings untied (--untie): the copy stores a separate LM head"
+        )
     if save_transform is not None:
         write_transform(transform, save_transform)
 

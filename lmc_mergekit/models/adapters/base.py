@@ -96,6 +96,16 @@ class Adapter(ABC):
     def read_head(self, reader: CheckpointReader, spec: ModelSpec) -> Head: ...
 
     @abstractmethod
+    def tie_keys(self, reader: CheckpointReader) -> tuple[str, str]:
+        """The key ``reader``'s checkpoint stores its LM head under (or would, untied), and the
+        key of the token embeddings that a tied head reads."""
+
+    def head_key(self, reader: CheckpointReader, spec: ModelSpec) -> str:
+        """The stored tensor the LM head of ``reader``'s checkpoint reads."""
+        head, embeddings = self.tie_keys(reader)
+        return embeddings if spec.tied_embeddings or not reader.has(head) else head
+
+    @abstractmethod
     def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
         """Checkpoint tensors for the embeddings."""
 

@@ -94,10 +94,11 @@ class GPT2Adapter(Adapter):
         )
 
     def read_head(self, reader: CheckpointReader, spec: ModelSpec) -> Head:
-        name = "lm_head.weight"
-        if spec.tied_embeddings or not reader.has(name):
-            name = "transformer.wte.weight"
-        return Head(norm=read_norm(reader, "transformer.ln_f"), weight=reader.get(name))
+        norm = read_norm(reader, "transformer.ln_f")
+        return Head(norm=norm, weight=reader.get(self.head_key(reader, spec)))
+
+    def tie_keys(self, reader: CheckpointReader) -> tuple[str, str]:
+        return "lm_head.weight", "transformer.wte.weight"
 
     def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
         return {"transformer.wte.weight": emb.tokens, "transformer.wpe.weight": emb.positions}

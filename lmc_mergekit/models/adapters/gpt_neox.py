@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 
 from lmc_mergekit.models.adapters.base import (
     Adapter,
+    first_present,
     read_norm,
     rope_theta,
     rope_type,
@@ -99,9 +100,11 @@ class GPTNeoXAdapter(Adapter):
         )
 
     def read_head(self, reader: CheckpointReader, spec: ModelSpec) -> Head:
-        stored = [name for name in HEAD_NAMES if reader.has(name)]
-        name = stored[0] if stored and not spec.tied_embeddings else "gpt_neox.embed_in.weight"
-        return Head(norm=read_norm(reader, "gpt_neox.final_layer_norm"), weight=reader.get(name))
+        norm = read_norm(reader, "gpt_neox.final_layer_norm")
+        return Head(norm=norm, weight=reader.get(self.head_key(reader, spec)))
+
+    def tie_keys(self, reader: CheckpointReader) -> tuple[str, str]:
+        return first_present(reader, HEAD_NAMES), "gpt_neox.embed_in.weight"
 
     def embeddings_tensors(self, emb: Embeddings, spec: ModelSpec) -> dict[str, torch.Tensor]:
         return {"gpt_neox.embed_in.weight": emb.tokens}

@@ -168,12 +168,12 @@ class LlamaAdapter(Adapter):
             mlp_post_norm=norms.get("mlp_post_norm"),
         )
 
+    def tie_keys(self, reader: CheckpointReader) -> tuple[str, str]:
+        return first_present(reader, self.head_keys), self._prefix(reader) + "embed_tokens.weight"
+
     def read_head(self, reader: CheckpointReader, spec: ModelSpec) -> Head:
-        prefix = self._prefix(reader)
-        name = first_present(reader, self.head_keys)
-        if spec.tied_embeddings or not reader.has(name):
-            name = prefix + "embed_tokens.weight"
-        return Head(norm=self._norm(reader, prefix + "norm"), weight=reader.get(name))
+        norm = self._norm(reader, self._prefix(reader) + "norm")
+        return Head(norm=norm, weight=reader.get(self.head_key(reader, spec)))
 
     # ---- writing ------------------------------------------------------------------------
 
