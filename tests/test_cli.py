@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,24 @@ def test_staged_output_appears_whole_with_the_usual_permissions(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert (out / "whole.txt").is_file() and (out.stat().st_mode & 0o777) == 0o777 & ~mask
+
+
+def test_a_plugin_merge_prints_no_warning_of_its_dependencies(tmp_path):
+    """mergekit sets ``config.torch_dtype``, which transformers 5 deprecates with a notice
+    logged once per process: the notice's memory is cleared first, so that it would be."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.warning_once.cache_clear()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        a, b = two_models("llama", tmp_path)
+        recipe = linear_recipe(a, b, "lmc_dm", alignment=UNALIGNED)
+        result = run_yaml(recipe, tmp_path, tmp_path / "out")
+    finally:
+        library.removeHandler(handler)
+    assert result.exit_code == 0, result.output
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]

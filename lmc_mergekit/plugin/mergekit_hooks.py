@@ -11,7 +11,9 @@ built-in merges are exactly mergekit's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 from mergekit.config import MergeConfiguration
@@ -47,6 +49,27 @@ def without_sections(config: MergeConfiguration) -> MergeConfiguration:
     plain = config.model_copy()
     plain.__pydantic_extra__ = {}
     return plain
+
+
+class _NoTorchDtypeNotice(logging.Filter):
+    """Drops transformers' "`torch_dtype` is deprecated" notice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`torch_dtype` is deprecated" not in record.getMessage()
+
+
+@contextmanager
+def without_torch_dtype_notice() -> Iterator[None]:
+    """mergekit 0.1.5 sets ``config.torch_dtype`` on the merged model's config, which
+    transformers 5 answers with a deprecation notice in the middle of every merge's output;
+    the notice is dropped while the block runs (every other message passes)."""
+    logger = logging.getLogger("transformers.configuration_utils")
+    notice = _NoTorchDtypeNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def route_run_merge(handler: Callable) -> None:

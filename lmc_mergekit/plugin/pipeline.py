@@ -45,7 +45,11 @@ from lmc_mergekit.plugin.inputs import (
     plugin_inputs,
     with_prepared,
 )
-from lmc_mergekit.plugin.mergekit_hooks import mergekit_run_merge, without_sections
+from lmc_mergekit.plugin.mergekit_hooks import (
+    mergekit_run_merge,
+    without_sections,
+    without_torch_dtype_notice,
+)
 from lmc_mergekit.plugin.methods import PluginMethod
 from lmc_mergekit.plugin.recipe import Recipe, read_recipe
 from lmc_mergekit.plugin.resolve import LocalModels, resolve_models
@@ -189,7 +193,7 @@ def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> No
     try:
         run_merge = mergekit_run_merge()
         plain = without_sections(expand_home(config)).model_copy(deep=True)
-        with repaired_architectures():
+        with repaired_architectures(), without_torch_dtype_notice():
             run_merge(plain, str(folder), no_card)
     except LmcError:
         raise
