@@ -138,3 +138,50 @@ def test_errors_mergekit_finds_while_planning_are_one_line(pair, tmp_path):
     recipe = recipe_for(*pair, "linear")
     recipe["models"][0]["parameters"] = {}  # linear needs every model's weight
     refused(run(recipe, tmp_path), tmp_path, "mergekit: Missing required parameter weight")
+
+
+@pytest.fixture
+def no_heavy_work(monkeypatch):
+    """Matching and learning fail the test if they start: a refusal must come first."""
+    from lmc_mergekit.matching import align
+
+    def started(*args, **kwargs):
+        raise AssertionError("heavy work started before the inputs were checked")
+
+    for name in ("match_all", "learn_symmetries", "block_runner"):
+        monkeypatch.setattr(align, name, started)
+
+
+def _wider(tmp_path: Path, a: Path, b: Path) -> tuple[Path, Path]:
+    return a, build_model("llama", tmp_path / "wide", seed=2, hidden_size=64)
+
+
+def _post_norm_pair(tmp_path: Path, a: Path, b: Path) -> tuple[Path, Path]:
+    return tuple(build_model("olmo2", tmp_path / f"o{s}", seed=s) for s in (1, 2))
+
+
+def _other_vocabulary(tmp_path: Path, a: Path, b: Path) -> tuple[Path, Path]:
+    from tokenizer_helpers import model_with_tokenizer
+
+    return (
+        model_with_tokenizer(tmp_path / "t1", "llama", seed=1, book=0),
+        model_with_tokenizer(tmp_path / "t2", "llama", seed=2, book=1),
+    )
+
+
+@pytest.mark.parametrize(
+    ("inputs", "alignment", "needle"),
+    [
+        (_wider, {"steps": 0}, "lmc_dm needs models of one shape: hidden_size"),
+        (_post_norm_pair, {"learn": ["residual"], "steps": 5}, "admits none"),
+        (_other_vocabulary, {"steps": 0, "seq_len": 16}, "vocabular"),
+    ],
+    ids=["shape", "nothing_to_learn", "tokenizers"],
+)
+def test_a_recipe_that_will_be_refused_is_refused_before_any_matching(
+    pair, tmp_path, no_heavy_work, inputs, alignment, needle
+):
+    a, b = inputs(tmp_path, *pair)
+    recipe = recipe_for(a, b, "lmc_dm")
+    recipe["alignment"] = alignment
+    refused(run(recipe, tmp_path), tmp_path, needle)

@@ -19,7 +19,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -34,7 +34,7 @@ from lmc_mergekit.matching.interpolation import (
     autocast_dtype,
 )
 from lmc_mergekit.models.block_runner import BlockRunner
-from lmc_mergekit.models.view import ModelView
+from lmc_mergekit.models.view import ModelSpec, ModelView
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.rollback import TrainingState
 from lmc_mergekit.runtime.schedule import warmup_cosine
@@ -128,6 +128,18 @@ def mixing_weights(count: int, sampler: Sampler, generator: torch.Generator) -> 
     return draw if sampler == "uniform" else centre + BAND * (draw - centre)
 
 
+def check_learnable(spec: ModelSpec, families: Sequence[str], keep_tie: bool) -> None:
+    """A one-line error unless models of ``spec`` admit one of ``families`` (before any
+    matching or learning runs)."""
+    admitted = symmetry_group(spec, keep_tie).learnable
+    if not set(families) & set(admitted):
+        raise LmcError(
+            f"alignment learns nothing: of the families asked for ({', '.join(families)}) "
+            f"the {spec.architecture} model admits none as a continuous symmetry (it admits "
+            f"{', '.join(admitted)}); change learn: or set steps: 0"
+        )
+
+
 def learning_rate(step: int, config: LearningConfig) -> float:
     """Linear warm-up over ``warmup`` of the steps, then cosine decay to zero."""
     warmup = max(1, round(config.warmup * config.steps))
@@ -176,12 +188,8 @@ def learn_symmetries(
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
     if not params:
-        admitted = symmetry_group(spec, config.keep_tie).learnable
-        raise LmcError(
-            f"alignment learns nothing: of the families asked for ({', '.join(config.families)}) "
-            f"the {spec.architecture} model admits none as a continuous symmetry (it admits "
-            f"{', '.join(admitted)}); change learn: or set steps: 0"
-        )
+        check_learnable(spec, config.families, config.keep_tie)
+        raise LmcError("alignment learns nothing; change learn: or set steps: 0")
     for param in params:  # every process reduces the same gradient list, even after a failure
         param.grad = torch.zeros_like(param)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)

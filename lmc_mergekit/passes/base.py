@@ -125,21 +125,26 @@ class PassContext(StageContext):
     def open_inputs(self) -> list[CheckpointView]:
         """Views of every input, refused unless they share one architecture and shape."""
         views = [open_model(path, self.options.trust_remote_code) for path in self.inputs]
-        first = views[0]
-        for view in views[1:]:
-            if view.spec.architecture != first.spec.architecture:
-                raise LmcError(
-                    f"{self.method} needs models of one architecture: {first.folder.name} is "
-                    f"{first.spec.architecture}, {view.folder.name} is {view.spec.architecture}"
-                )
-            mismatch = first.spec.shape_mismatch(view.spec)
-            if mismatch is not None:
-                key, a, b = mismatch
-                raise LmcError(
-                    f"{self.method} needs models of one shape: {key} is {a} in "
-                    f"{first.folder.name} but {b} in {view.folder.name}"
-                )
+        check_one_shape(views, self.method)
         return views
+
+
+def check_one_shape(views: list[CheckpointView], method: str) -> None:
+    """A one-line error unless ``views`` share one architecture and shape."""
+    first = views[0]
+    for view in views[1:]:
+        if view.spec.architecture != first.spec.architecture:
+            raise LmcError(
+                f"{method} needs models of one architecture: {first.folder.name} is "
+                f"{first.spec.architecture}, {view.folder.name} is {view.spec.architecture}"
+            )
+        mismatch = first.spec.shape_mismatch(view.spec)
+        if mismatch is not None:
+            key, a, b = mismatch
+            raise LmcError(
+                f"{method} needs models of one shape: {key} is {a} in "
+                f"{first.folder.name} but {b} in {view.folder.name}"
+            )
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,18 @@ from lmc_mergekit.data.tokenizer import shared_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot_paths
 from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, Matching, align
-from lmc_mergekit.matching.learned_matching import LearningConfig
+from lmc_mergekit.matching.learned_matching import LearningConfig, check_learnable
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import stored_dtype
 from lmc_mergekit.models.view import ModelSpec
-from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
+from lmc_mergekit.passes.base import (
+    MeasureContext,
+    PassContext,
+    Report,
+    TextSettings,
+    check_one_shape,
+)
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
 from lmc_mergekit.runtime.records import Record
@@ -185,6 +191,20 @@ class AlignmentSettings(TextSettings):
 
     def combining_method(self) -> str | None:
         return self.combine
+
+    def check_inputs(
+        self, inputs: list[Path], base_model: Path | None, trust_remote_code: bool = False
+    ) -> None:
+        """Two or more models of one architecture and shape (tied or not), and, when the
+        recipe learns, a family of symmetries they admit: refused in seconds, before any
+        matching or learning."""
+        if len(inputs) < 2:
+            raise LmcError("lmc_dm merges two or more models; the recipe lists one")
+        views = [open_model(path, trust_remote_code) for path in inputs]
+        check_one_shape(views, "lmc_dm")
+        if self.steps:
+            specs = [view.spec for view in views]
+            check_learnable(specs[0], self.learn, self.keeps_tie(specs))
 
     def align_config(self, specs: Sequence[ModelSpec], with_text: bool = True) -> AlignConfig:
         """What :func:`~lmc_mergekit.matching.align.align` does for these settings on inputs
