@@ -41,6 +41,9 @@ from lmc_mergekit.symmetry.rope import rope_commutation_error
 from lmc_mergekit.symmetry.transform import is_signed_permutation, save_transform
 
 ATOL = 5e-5
+#: A rate far too high for the small trained model: unwatched, learning wrecks an exact
+#: alignment.
+LEARN_TOO_FAST = 0.1
 EVAL = {"seq_len": 64, "eval_sequences": 64, "points": 5}
 CPU = torch.device("cpu")
 
@@ -218,9 +221,16 @@ def test_every_ablation_setting_learns_what_it_says(tiny_pair, change):
 
 def test_a_diverging_run_rolls_back_with_a_lower_rate_and_recovers(tiny_pair, tmp_path):
     ends, model, data = tiny_pair
-    # Far too high a rate: every try diverges until rollbacks have halved it enough.
+    # Far too high a rate: every try diverges until rollbacks have halved it enough (nothing
+    # held out: the data are random tokens, on which no state beats the start held out).
     config = LearningConfig(
-        steps=12, lr=1e4, batch_size=4, warmup=0.0, checkpoint_every=2, max_rollbacks=30
+        steps=12,
+        lr=1e4,
+        batch_size=4,
+        warmup=0.0,
+        checkpoint_every=2,
+        max_rollbacks=30,
+        heldout_sequences=0,
     )
     result = learn_symmetries(ends, model, data, config, state_dir=tmp_path, progress=False)
     assert len(result.losses) == 12 and all(map(math.isfinite, result.losses))
@@ -230,11 +240,75 @@ def test_a_diverging_run_rolls_back_with_a_lower_rate_and_recovers(tiny_pair, tm
     assert saved["step"] == 12 and saved["lr_scale"] <= 0.5 ** len(result.rollbacks)
 
 
-def test_a_run_that_keeps_diverging_stops_with_a_clear_error(tiny_pair):
+def test_a_run_that_keeps_diverging_without_a_floor_stops_with_a_clear_error(tiny_pair):
     ends, model, data = tiny_pair
-    config = LearningConfig(steps=12, lr=1e4, batch_size=4, warmup=0.0)
+    config = LearningConfig(steps=12, lr=1e4, batch_size=4, warmup=0.0, heldout_sequences=0)
     with pytest.raises(LmcError, match=r"diverged 4 times .* set a smaller alignment lr"):
         learn_symmetries(ends, model, data, config, progress=False)
+
+
+def test_a_run_that_keeps_diverging_keeps_its_start(tiny_pair):
+    """Watched on held-out sequences, a run whose rollbacks run out stops at its best state:
+    here the start, so the transforms are the identity and the mixes are what matching gave."""
+    ends, model, data = tiny_pair
+    config = LearningConfig(steps=12, lr=1e4, batch_size=4, warmup=0.0)
+    result = learn_symmetries(ends, model, data, config, progress=False)
+    watch = result.held_out
+    assert watch["stopped_early"] and watch["kept_step"] == 0 and watch["best"] == watch["start"]
+    assert len(result.rollbacks) == config.max_rollbacks + 1
+    identity = Transform(ends[0].spec.num_layers, absorb_norms=True)
+    ids = probe_ids(seed=2, shape=(2, 16))
+    for end, transform in zip(ends, result.transforms, strict=True):
+        moved = materialize(apply_transform(end, transform))
+        still = materialize(apply_transform(end, identity))
+        torch.testing.assert_close(model.logits(moved, ids), model.logits(still, ids))
+    assert "did not improve on matching" in result.outcome()
+
+
+@pytest.fixture(scope="module")
+def exact_pair(trained_pair, tmp_path_factory):
+    """A model trained on text and its scrambled copy, moved back exactly by weight matching,
+    with calibration text."""
+    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+    from lmc_mergekit.matching.align import AlignConfig, align
+    from lmc_mergekit.symmetry import random_transform
+    from lmc_mergekit.transform_checkpoint import transform_checkpoint
+
+    source = trained_pair[0]
+    copy = tmp_path_factory.mktemp("exact") / "copy"
+    transform = random_transform(open_model(source).spec, seed=9)
+    transform_checkpoint(source, copy, transform, progress=False)
+    views = [open_model(source), open_model(copy)]
+    matched = align(views, AlignConfig("weights"), progress=False).matched
+    ends = [materialize(apply_transform(v, t)) for v, t in zip(views, matched, strict=True)]
+    runner = BlockRunner(source, views[0].adapter, ends[0].spec, CPU)
+    text = load_split(DataConfig(seq_len=32), load_tokenizer([source]), "train", 64)
+    return ends, runner, text
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
+def test_learning_from_an_exact_alignment_ends_no_worse_than_it_started(exact_pair, watched):
+    """Unwatched, a rate too high for the model takes the mixes away from the exact alignment
+    (the old behaviour, kept as the control); watched, the run ends at its best state."""
+    ends, runner, data = exact_pair
+    held = 16 if watched else 0
+    config = LearningConfig(
+        steps=8, lr=LEARN_TOO_FAST, batch_size=8, checkpoint_every=2, heldout_sequences=held
+    )
+    result = learn_symmetries(ends, runner, data, config, progress=False)
+    pairs = zip(ends, result.transforms, strict=True)
+    moved = [materialize(apply_transform(e, t)) for e, t in pairs]
+    half = torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        before = InterpolationObjective(ends, [None, None], runner)(half, data[-16:])
+        after = InterpolationObjective(moved, [None, None], runner)(half, data[-16:])
+    if not watched:
+        assert float(after) > float(before) + 0.01
+        return
+    watch = result.held_out
+    assert watch["best"] <= watch["start"]
+    assert all(score >= watch["best"] for _, score in watch["scores"])
+    assert float(after) <= float(before) + 1e-4  # what is written is the state measured best
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
@@ -243,7 +317,11 @@ def test_learning_lowers_the_interpolated_loss(tiny_pair, tmp_path, precision):
     whatever the device) the midpoint's loss falls, and the transforms written are exact
     symmetries in float64: the moved float32 models compute what their sources compute."""
     ends, model, data = tiny_pair
-    config = LearningConfig(steps=40, lr=0.03, batch_size=8, sampler="half", precision=precision)
+    # The tokens are random: nothing learned on some of them carries over to others, so none
+    # is held out (the watch is tested on text of a pattern, below).
+    config = LearningConfig(
+        steps=40, lr=0.03, batch_size=8, sampler="half", precision=precision, heldout_sequences=0
+    )
     result = learn_symmetries(ends, model, data, config, progress=False)
     moved = [
         materialize(apply_transform(e, t)) for e, t in zip(ends, result.transforms, strict=True)

@@ -80,6 +80,41 @@ def test_a_rollback_restores_the_last_snapshot_with_half_the_rate_and_stops_in_t
         state.roll_back(0, math.inf)
 
 
+def test_a_held_out_rise_goes_back_to_the_best_state_and_the_end_keeps_it():
+    state = _Weights()
+    assert state.watch(5.0)  # the start
+    state.keep()
+    for score in (4.0, 4.5):
+        state.weight += 1
+        state.accept(1.0)
+        state.keep()
+        assert state.watch(score) is (score == 4.0)
+    assert state.best["step"] == 1 and state.best["score"] == 4.0
+    state.roll_back(2, 4.5, to_best=True)
+    assert state.step == 1 and torch.equal(state.weight, torch.ones(3))
+    assert state.lr_scale == 0.5 and state.rollbacks[-1]["held_out"]
+    state.weight += 1
+    state.accept(1.0)
+    assert state.settle() == 1 and torch.equal(state.weight, torch.ones(3))
+
+
+def test_a_loss_far_above_the_start_score_explodes_from_the_first_step():
+    state = _Weights()
+    state.watch(4.0)
+    assert state.diverged(8.5) and not state.diverged(7.5)
+
+
+def test_a_watched_run_whose_rollbacks_run_out_stops_at_its_best_instead_of_failing():
+    state = _Weights()
+    state.watch(5.0)
+    state.keep()
+    for _ in range(state.max_rollbacks):
+        state.roll_back(0, math.nan)
+    assert not state.stopped
+    state.roll_back(0, math.nan)
+    assert state.stopped and state.settle() == 0
+
+
 class _PoisonedForward:
     """Makes the first module output after the ``at``-th optimiser step NaN, through torch's
     global hooks (no part of the code under test is replaced)."""

@@ -8,9 +8,15 @@ linearly and decays on a cosine.
 Long runs are safe to interrupt: every ``checkpoint_every`` steps the parameters, the optimiser
 state and the step are written atomically to ``state_dir``; a rerun resumes from there. The
 batch and ``λ`` of step ``k`` come from a generator seeded by ``(seed, k)``, so a resumed run
-draws what an uninterrupted one would and ends with the same result. A non-finite or exploding
-loss rolls back to the last checkpoint with half the learning rate; after ``max_rollbacks`` the
-run stops with an error (:mod:`lmc_mergekit.runtime.rollback`, shared by every training loop).
+draws what an uninterrupted one would and ends with the same result.
+
+Learning never makes the merge worse than the matching it starts from. A few calibration
+sequences are held out of training; the loss of fixed mixes on them (the highest of λ = ¼, ½,
+¾ for two models, the centre for more) is measured at the start (matching's result, the floor)
+and at every checkpoint. The best state is kept; a score that rises sends the run back to it
+with half the learning rate, as a non-finite loss or one far above the start's score does; when
+the rollbacks run out the run stops there; and the result is always the best state measured
+(:mod:`lmc_mergekit.runtime.rollback`, shared by every training loop).
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ class LearningConfig:
     keep_tie: bool = False
     #: bf16 autocast or float32; ``auto``: bf16 on a GPU, float32 elsewhere.
     precision: Precision = "auto"
+    #: Calibration sequences held out of training to score the mixes (a quarter of the
+    #: sequences when there are fewer than four times as many).
+    heldout_sequences: int = 16
 
 
 @dataclass
@@ -93,6 +102,8 @@ class LearningResult:
     #: Of the model's parts (embeddings, blocks, head), the most held whole at once.
     parts_held_whole: int = 0
     parts: int = 0
+    #: The held-out watch: sequences, scores per step, the step whose state was kept.
+    held_out: dict | None = None
 
     def summary(self) -> dict:
         """JSON-ready facts for the report."""
@@ -109,7 +120,24 @@ class LearningResult:
             "endpoint_mib_per_process": round(self.endpoint_mib_per_process, 3),
             "parts_held_whole": self.parts_held_whole,
             "parts": self.parts,
+            "held_out": self.held_out,
         }
+
+    def outcome(self) -> str:
+        """One line on what learning gained over the matching it started from."""
+        if not self.held_out:
+            return f"learned matching: {len(self.losses)} steps (no held-out sequences)"
+        watch = self.held_out
+        start, best = watch["start"], watch["best"]
+        if watch["kept_step"] == 0:
+            return (
+                f"learned matching did not improve on matching (held-out mix loss {start:.4f} "
+                "at the start): kept the matched alignment"
+            )
+        return (
+            f"learned matching: held-out mix loss {start:.4f} -> {best:.4f} "
+            f"(kept step {watch['kept_step']})"
+        )
 
 
 def _mean(values: list[float]) -> float | None:
@@ -184,6 +212,7 @@ def learn_symmetries(
     ]
     device = runner.device
     autocast = autocast_dtype(config.precision, device)
+    sequences, heldout = heldout_split(sequences, config.heldout_sequences)
     objective = InterpolationObjective(endpoints, learned, runner, processes, autocast)
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
@@ -196,16 +225,32 @@ def learn_symmetries(
     state = _State(objective, optimizer, config)
     checkpoint = None if state_dir is None else state_dir / CHECKPOINT_FILE
     resumed_from = state.load(checkpoint, asdict(config), processes) if checkpoint else None
-    state.keep()
     start = time.perf_counter()
-    bar = tqdm(
-        total=config.steps,
-        initial=state.step,
-        desc="learned matching",
-        disable=not (progress and processes.is_main),
-    )
-    while state.step < config.steps:
-        step = state.step
+    mixes = watched_mixes(len(endpoints))
+
+    def score() -> float:
+        """The held-out score of the current symmetries (infinite for maps too close to
+        singular to be written)."""
+        try:
+            for transform in _transforms(learned, spec.num_layers, config.keep_tie):
+                transform.check_fits(spec)
+        except LmcError:
+            return math.inf
+        with torch.no_grad(), torch.autocast(device.type, autocast, enabled=autocast is not None):
+            batch = processes.shard(heldout).to(device)
+            values = torch.stack([objective(w.to(device), batch) for w in mixes]).float()
+        processes.mean([values])
+        return float(values.max())
+
+    watching = heldout is not None
+    if watching and not state.scores:  # the start, matching's result: the floor
+        state.watch(score())
+    state.keep()
+    tell = progress and processes.is_main
+    bar = tqdm(total=config.steps, initial=state.step, desc="learned matching", disable=not tell)
+    timed = False
+    while state.step < config.steps and not state.stopped:
+        step, stepped = state.step, time.perf_counter()
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         batch = sequences[torch.randint(len(sequences), (config.batch_size,), generator=generator)]
         weights = mixing_weights(len(endpoints), config.sampler, generator).to(device)
@@ -231,7 +276,15 @@ def learn_symmetries(
         state.accept(value)
         bar.update()
         bar.set_postfix(loss=f"{value:.4f}", lr=f"{group['lr']:.2e}")
+        if not timed and tell:
+            timed = True
+            _say_how_long(bar, config.steps - state.step, time.perf_counter() - stepped)
         if state.step % config.checkpoint_every == 0 or state.step == config.steps:
+            if watching and not state.watch(score()):
+                state.roll_back(state.step, state.scores[-1][1], to_best=True)
+                bar.n = state.step
+                bar.refresh()
+                continue
             snapshot = state.keep()
             if checkpoint is not None and processes.is_main:
                 state.save(checkpoint, asdict(config), snapshot)
@@ -240,6 +293,7 @@ def learn_symmetries(
             if on_checkpoint is not None:
                 on_checkpoint(state.step, _transforms(learned, spec.num_layers, config.keep_tie))
     bar.close()
+    kept = state.settle()  # the best state measured: never worse than the start
     processes.barrier()
     return LearningResult(
         transforms=_transforms(learned, spec.num_layers, config.keep_tie),
@@ -252,6 +306,46 @@ def learn_symmetries(
         endpoint_mib_per_process=objective.held_bytes() / 2**20,
         parts_held_whole=objective.most_gathered,
         parts=len(objective.parts()),
+        held_out=None if kept is None else _watch_record(state, kept, len(heldout), mixes),
+    )
+
+
+def heldout_split(sequences: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training sequences and the last ``count`` held out (a quarter where there are fewer
+    than four times ``count``; none of fewer than four sequences)."""
+    count = min(count, len(sequences) // 4)
+    if count == 0:
+        return sequences, None
+    return sequences[:-count], sequences[-count:]
+
+
+def watched_mixes(count: int) -> list[torch.Tensor]:
+    """The fixed mixing weights the held-out score is measured at: λ = ¼, ½, ¾ between two
+    models (the path's middle, where its barrier is), the centre of more."""
+    if count == 2:
+        return [torch.tensor([1 - lam, lam]) for lam in (0.25, 0.5, 0.75)]
+    return [torch.full((count,), 1.0 / count)]
+
+
+def _watch_record(state: TrainingState, kept: int, sequences: int, mixes) -> dict:
+    return {
+        "sequences": sequences,
+        "mixes": [[round(float(w), 4) for w in mix] for mix in mixes],
+        "scores": [[int(step), score] for step, score in state.scores],
+        "start": state.scores[0][1],
+        "best": state.best["score"],
+        "kept_step": kept,
+        "stopped_early": state.stopped,
+    }
+
+
+def _say_how_long(bar, steps: int, seconds: float) -> None:
+    """One line, before the run goes on, on how long its remaining steps will take."""
+    total = steps * seconds
+    when = f"{total / 60:.0f} min" if total >= 90 else f"{total:.0f} s"
+    bar.write(
+        f"learned matching: {seconds:.2f} s a step measured; {steps} more steps take about "
+        f"{when} (set alignment steps: to trade time for quality)"
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
+from tqdm.auto import tqdm
 
 from lmc_mergekit.data.tokenizer import shared_tokenizer
 from lmc_mergekit.errors import LmcError
@@ -250,6 +251,8 @@ class LearningRecord(Record):
     endpoint_mib_per_process: float = 0.0
     parts_held_whole: int = 0
     parts: int = 0
+    #: The held-out watch (sequences, scores per step, the step kept; see learned matching).
+    held_out: dict | None = None
     losses: list[float]
 
 
@@ -403,6 +406,8 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
     if alignment.learning is not None:
         result = alignment.learning
         learning = LearningRecord(data=calibration.record, **result.summary(), losses=result.losses)
+        if ctx.progress and ctx.processes.is_main:
+            tqdm.write(result.outcome())
     if not ctx.processes.is_main:
         return AlignmentPreparation(matching=alignment.matching, learning=learning, seconds={})
     started = time.perf_counter()

@@ -12,6 +12,12 @@ stops with a one-line error. An explosion is judged against the largest of the r
 losses, not against the first: where the loss varies by design from step to step (learned
 matching draws λ each step, and a λ near an endpoint gives a far smaller loss than one
 mid-path), the first step is one draw, and the recent maximum is the level the run has shown.
+
+A loop that can score itself on held-out data (:meth:`TrainingState.watch`) keeps its best
+state so far: a score that rises above the best sends it back there with half the learning
+rate, a loss far above the start's score counts as an explosion from the first step on, and
+when the rollbacks run out the loop stops at its best instead of failing (learned matching:
+never worse than the matching it started from).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ WINDOW = 20
 MIN_HISTORY = 5
 #: One snapshot taken just before a blow-up may already hold bad values: keep a few.
 KEPT_SNAPSHOTS = 3
+#: A held-out score this fraction above the best one counts as a rise.
+RISE_TOLERANCE = 0.002
 
 
 def exploded(loss: float, losses: Sequence[float], factor: float = EXPLODE_FACTOR) -> bool:
@@ -72,6 +80,11 @@ class TrainingState:
         self.losses: list[float] = []
         self.rollbacks: list[dict] = []
         self.kept: deque[dict] = deque(maxlen=KEPT_SNAPSHOTS)
+        #: Held-out scores as ``[step, score]``; the best state so far (a snapshot and its
+        #: score); whether the rollbacks ran out and the loop stopped at its best.
+        self.scores: list[list[float]] = []
+        self.best: dict | None = None
+        self.stopped = False
 
     def capture(self) -> dict:
         """Copies of the loop's own parts (a snapshot must not change as training goes on)."""
@@ -82,7 +95,11 @@ class TrainingState:
         raise NotImplementedError
 
     def snapshot(self) -> dict:
-        """The whole state: progress, rollbacks and the loop's parts."""
+        """The whole state: progress, rollbacks, held-out scores, the best state and the
+        loop's parts."""
+        return {**self._progress(), "scores": [list(s) for s in self.scores], "best": self.best}
+
+    def _progress(self) -> dict:
         return {
             "step": self.step,
             "lr_scale": self.lr_scale,
@@ -92,11 +109,15 @@ class TrainingState:
         }
 
     def restore(self, snapshot: dict) -> None:
-        """Go back to ``snapshot``."""
+        """Go back to ``snapshot`` (a best state leaves the score history and the best as
+        they are)."""
         self.step = snapshot["step"]
         self.lr_scale = snapshot["lr_scale"]
         self.losses = list(snapshot["losses"])
         self.rollbacks = list(snapshot["rollbacks"])
+        if "best" in snapshot:
+            self.scores = [list(s) for s in snapshot.get("scores", [])]
+            self.best = snapshot["best"]
         self.apply(snapshot)
 
     def keep(self) -> dict:
@@ -110,21 +131,52 @@ class TrainingState:
         self.losses.append(loss)
 
     def diverged(self, loss: float) -> bool:
-        """Whether ``loss`` is non-finite or (with an ``explode_factor``) explodes."""
+        """Whether ``loss`` is non-finite or (with an ``explode_factor``) explodes: against the
+        recent losses, and from the first step on against the first held-out score."""
         if not math.isfinite(loss):
             return True
-        return self.explode_factor is not None and exploded(loss, self.losses, self.explode_factor)
+        if self.explode_factor is None:
+            return False
+        if self.scores and loss > self.explode_factor * self.scores[0][1]:
+            return True
+        return exploded(loss, self.losses, self.explode_factor)
 
-    def roll_back(self, step: int, loss: float) -> None:
-        """Back to the last kept snapshot (one further back if that one failed already) with
-        half the learning rate; a one-line error after too many tries."""
+    def watch(self, score: float) -> bool:
+        """Record the held-out ``score`` of the current state: the best so far is kept; False
+        when it rose above the best by more than :data:`RISE_TOLERANCE` (then
+        :meth:`roll_back` with ``to_best``)."""
+        self.scores.append([self.step, score])
+        if self.best is None or score < self.best["score"]:
+            self.best = {**self._progress(), "score": score}
+            return True
+        return score <= self.best["score"] * (1 + RISE_TOLERANCE)
+
+    def settle(self) -> int | None:
+        """At the end of a watched run: the loop's parts back to the best state's (progress and
+        records stay the run's); the step of that state, None for a run that was not
+        watched."""
+        if self.best is None:
+            return None
+        self.apply(self.best)
+        return self.best["step"]
+
+    def roll_back(self, step: int, loss: float, to_best: bool = False) -> None:
+        """Back to the last kept snapshot (one further back if that one failed already), or
+        to the best state (``to_best``), with half the learning rate. After too many tries a
+        watched run stops at its best state (:attr:`stopped`); any other fails with a
+        one-line error."""
         if self.rollbacks and self.rollbacks[-1]["back_to"] == self.kept[-1]["step"]:
             if len(self.kept) > 1:
                 self.kept.pop()
-        saved = self.kept[-1]
+        saved = self.best if to_best else self.kept[-1]
         record = {"step": step, "loss": loss, "back_to": saved["step"]}
+        if to_best:
+            record["held_out"] = True
         rollbacks = [*self.rollbacks, record]
         if len(rollbacks) > self.max_rollbacks:
+            if self.best is not None:
+                self.rollbacks, self.stopped = rollbacks, True
+                return
             raise LmcError(
                 f"{self.what} diverged {len(rollbacks)} times (loss {loss:.3g} at step {step}) "
                 f"even after lowering the learning rate to {self.lr_scale * self.lr:.2e}; "
