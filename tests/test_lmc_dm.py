@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from safetensors.torch import load_file
 from tiny_models import probe_ids
 from transformers import AutoModelForCausalLM
 
@@ -52,6 +53,8 @@ def test_weight_matching_lowers_the_barrier(weight_matched):
     raw, aligned = pair["raw"]["barrier"], pair["matched"]["barrier"]
     assert raw > 0.2, "the trained pair should show a barrier to begin with"
     assert aligned < 0.5 * raw
+    # Independently trained: matching moves most units (they sit in different basins).
+    assert report["matching"][0]["units_moved"] > 100 and not report["one_basin"]
     # Alignment moves no endpoint: both still compute their source's function.
     assert pair["matched"]["endpoint_losses"] == pytest.approx(
         pair["raw"]["endpoint_losses"], abs=1e-4
@@ -123,3 +126,43 @@ def test_three_models_are_all_aligned_to_the_first(trained_pair, tmp_path):
     merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     assert torch.isfinite(merged(probe_ids()).logits).all()
+
+
+@pytest.fixture(scope="module")
+def base_and_finetune(trained_pair, tmp_path_factory):
+    """A model trained on the bundled corpus and a fine-tune of it on the King James Bible."""
+    from lmc_mergekit.data import bundled_text_files
+    from lmc_mergekit.zoo.finetune import finetune
+
+    base = trained_pair[0]
+    bible = next(f for f in bundled_text_files() if "kjv" in f.name)
+    data = DataConfig(source=str(bible), seq_len=64)
+    tuned = finetune(
+        base, tmp_path_factory.mktemp("finetune") / "kjv", data, steps=20, lr=1e-3, progress=False
+    )
+    return base, tuned
+
+
+@pytest.mark.parametrize("matching", ["weights", "activations"])
+def test_a_base_and_its_finetune_are_merged_as_mergekit_linear_merges_them(
+    base_and_finetune, tmp_path, matching
+):
+    """Matching permutes no unit of a fine-tune of the first model: the pair sits in one
+    basin, so it is merged as it is (nothing learned, even with steps), tensor for tensor what
+    mergekit's linear merge writes, and the report and the card say so."""
+    base, tuned = base_and_finetune
+    recipe = pair_recipe(base, tuned, matching=matching, steps=5, batch_size=4)
+    out = tmp_path / "dm"
+    result = run_recipe(recipe, tmp_path, out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "lmc_report.json").read_text())
+    assert report["one_basin"] and report["learning"] is None
+    assert report["matching"][0]["units_moved"] == 0
+    assert [p for p in report["pairs"][0] if p in ("matched", "learned")] == []
+    assert "already sit in one basin" in (out / "README.md").read_text()
+    linear = {**recipe, "merge_method": "linear"}
+    del linear["alignment"]
+    assert run_recipe(linear, tmp_path, tmp_path / "linear").exit_code == 0
+    merged, plain = (load_file(tmp_path / n / "model.safetensors") for n in ("dm", "linear"))
+    assert merged.keys() == plain.keys()
+    assert all(torch.equal(merged[k], plain[k]) for k in merged)

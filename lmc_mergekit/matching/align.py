@@ -65,6 +65,10 @@ class Alignment:
     matching: list[dict] = field(default_factory=list)
     learning: LearningResult | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Matching permuted no unit of any model (no head, neuron or residual channel): they
+    #: already sit in one basin (a base and its fine-tunes) and are kept as they are; nothing
+    #: is learned.
+    one_basin: bool = False
 
 
 def align(
@@ -99,6 +103,12 @@ def align(
     )
     alignment = Alignment(matched, matched, matching)
     alignment.seconds["matching"] = time.perf_counter() - started
+    if config.matching != "none" and not any(t.units_moved() for t in matched[1:]):
+        # The models as they are (untied alike where their ties differ, so that every head
+        # survives the merge): what mergekit's own linear merge would average.
+        untie = len({view.spec.tied_embeddings for view in views}) > 1
+        kept = [Transform(view.spec.num_layers, absorb_norms=untie) for view in views]
+        return Alignment(kept, kept, matching, seconds=alignment.seconds, one_basin=True)
     if config.learning is None:
         return alignment
     started = time.perf_counter()
@@ -172,6 +182,7 @@ def match_all(
                     "relative_distance": {"before": result.distances[0], "after": result.distance},
                 },
             )
+        record["units_moved"] = transform.units_moved()
         transforms.append(transform)
         if keep_in is not None:
             keep_in.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,10 @@ draws what an uninterrupted one would and ends with the same result.
 Learning never makes the merge worse than the matching it starts from. A few calibration
 sequences are held out of training; the loss of fixed mixes on them (the highest of λ = ¼, ½,
 ¾ for two models, the centre for more) is measured at the start (matching's result, the floor)
-and at every checkpoint. The best state is kept; a score that rises sends the run back to it
-with half the learning rate, as a non-finite loss or one far above the start's score does; when
-the rollbacks run out the run stops there; and the result is always the best state measured
+and every fifth of the run (at every checkpoint at least). The best state is kept; a score that
+rises sends the run back to it with half the learning rate (so the step size comes down to what
+the model takes), as a non-finite loss or one far above the start's score does; when the
+rollbacks run out the run stops there; and the result is always the best state measured
 (:mod:`lmc_mergekit.runtime.rollback`, shared by every training loop).
 """
 
@@ -243,6 +244,8 @@ def learn_symmetries(
         return float(values.max())
 
     watching = heldout is not None
+    # Often enough that a rise costs a fifth of the run at most, at every checkpoint at least.
+    watch_every = max(1, min(config.checkpoint_every, math.ceil(config.steps / 5)))
     if watching and not state.scores:  # the start, matching's result: the floor
         state.watch(score())
     state.keep()
@@ -279,12 +282,13 @@ def learn_symmetries(
         if not timed and tell:
             timed = True
             _say_how_long(bar, config.steps - state.step, time.perf_counter() - stepped)
-        if state.step % config.checkpoint_every == 0 or state.step == config.steps:
-            if watching and not state.watch(score()):
-                state.roll_back(state.step, state.scores[-1][1], to_best=True)
-                bar.n = state.step
-                bar.refresh()
-                continue
+        last = state.step == config.steps
+        if watching and (state.step % watch_every == 0 or last) and not state.watch(score()):
+            state.roll_back(state.step, state.scores[-1][1], to_best=True)
+            bar.n = state.step
+            bar.refresh()
+            continue
+        if state.step % config.checkpoint_every == 0 or last:
             snapshot = state.keep()
             if checkpoint is not None and processes.is_main:
                 state.save(checkpoint, asdict(config), snapshot)

@@ -46,6 +46,11 @@ from lmc_mergekit.transform_checkpoint import transform_checkpoint
 # Learned-matching steps when a recipe does not say (about a minute for a d=128 pair on 2 cores).
 DEFAULT_STEPS = 200
 PLOT_FILE = "lmc_barrier.png"
+ONE_BASIN_LINE = (
+    "The inputs already sit in one basin (matching moved no head, neuron or residual channel "
+    "of any of them, as for a base model and its fine-tunes): they are merged as they are, as "
+    "mergekit's linear merge would merge them, and nothing is learned."
+)
 LABELS = {"raw": "raw", "learned": "learned matching"}
 
 
@@ -294,8 +299,9 @@ class TieRecord(Record):
 
 
 class AlignmentPreparation(Record):
-    """What the pass did: each weight match, the learning run, how long each stage took, and
-    for tied inputs what became of the tie."""
+    """What the pass did: each weight match, the learning run, how long each stage took, for
+    tied inputs what became of the tie, and whether the inputs already sat in one basin
+    (matching found the identity: they are kept as they are and nothing is learned)."""
 
     omit_if_none: ClassVar[tuple[str, ...]] = ("tied_embeddings",)
 
@@ -303,6 +309,7 @@ class AlignmentPreparation(Record):
     learning: LearningRecord | None
     seconds: dict[str, float]
     tied_embeddings: TieRecord | None = None
+    one_basin: bool = False
 
 
 class PairPaths(Record):
@@ -334,11 +341,14 @@ class AlignmentReport(Report):
     seconds: dict[str, float]
     merged: MergedLoss | None = None
     tied_embeddings: TieRecord | None = None
+    one_basin: bool = False
 
     def card_section(self) -> str:
-        """Markdown on the tie of tied inputs, and quoting the barriers before and after
-        alignment and the merged loss."""
+        """Markdown on the tie of tied inputs and on inputs that already sat in one basin, and
+        quoting the barriers before and after alignment and the merged loss."""
         tie = "" if self.tied_embeddings is None else self.tied_embeddings.card_line() + "\n"
+        if self.one_basin:
+            tie += ONE_BASIN_LINE + "\n"
         if not self.settings.evaluate:
             return tie
         lines = [
@@ -408,6 +418,8 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         learning = LearningRecord(data=calibration.record, **result.summary(), losses=result.losses)
         if ctx.progress and ctx.processes.is_main:
             tqdm.write(result.outcome())
+    if alignment.one_basin and ctx.progress and ctx.processes.is_main:
+        tqdm.write(ONE_BASIN_LINE)
     if not ctx.processes.is_main:
         return AlignmentPreparation(matching=alignment.matching, learning=learning, seconds={})
     started = time.perf_counter()
@@ -422,6 +434,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         learning=learning,
         seconds={key: round(value, 3) for key, value in seconds.items()},
         tied_embeddings=_tie_record(specs, written[0], ctx.outputs[0]),
+        one_basin=alignment.one_basin,
     )
 
 
@@ -471,12 +484,13 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
         pairs=[],
         seconds=dict(preparation.seconds),
         tied_embeddings=preparation.tied_embeddings,
+        one_basin=preparation.one_basin,
     )
     if ctx.test is None:
         return report
     started = time.perf_counter()
     folders = {"raw": ctx.inputs}
-    if settings.matching != "none":
+    if settings.matching != "none" and not preparation.one_basin:  # else: the raw path
         if preparation.learning is not None:
             folders["matched"] = _weight_matched(ctx)
             folders["learned"] = ctx.prepared

@@ -121,6 +121,21 @@ class Transform:
             keep_tie=self.keep_tie,
         )
 
+    def units_moved(self) -> int:
+        """How many units this transform's permutations move to another place: heads,
+        MLP neurons, and residual channels where the residual map is a (signed)
+        permutation. 0 for a model matched to its own fine-tune; independently trained models
+        move nearly every unit."""
+        moved = 0
+        if self.rotation is not None and is_signed_permutation(self.rotation):
+            eye = torch.eye(len(self.rotation), dtype=self.rotation.dtype)
+            moved += int((self.rotation.abs() != eye).any(dim=1).sum())
+        for layer in self.layers:
+            for perm in (layer.head_perm, layer.ffn_perm):
+                if perm is not None:
+                    moved += int((perm != torch.arange(len(perm), device=perm.device)).sum())
+        return moved
+
     # ---- validation ---------------------------------------------------------------------
 
     def non_finite_part(self) -> str | None:
