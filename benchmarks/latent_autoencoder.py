@@ -28,7 +28,7 @@ from lmc_mergekit.latent.codec import decode_tensor, encode_tensor, relative_err
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.view import materialize
-from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.runtime.locations import default_cache_dir
 
 
 def decoded_loss(folder: Path, decoded: dict[tuple[str, int], torch.Tensor], *tests) -> float:

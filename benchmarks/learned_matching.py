@@ -36,7 +36,7 @@ from lmc_mergekit.matching.align import AlignConfig, block_runner, match_all, mo
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES
 from lmc_mergekit.zoo import build_zoo

@@ -25,8 +25,8 @@ import yaml
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.passes.lmc_dm import AlignmentReport
-from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.pipeline import run_recipe
+from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.zoo import build_zoo
 
 HEADER = (

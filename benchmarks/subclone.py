@@ -37,7 +37,7 @@ from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.functional import module_config
-from lmc_mergekit.plugin.cache import default_cache_dir
+from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.subclone.convert import ConversionConfig, convert_model
 from lmc_mergekit.subclone.target import resolve_target
 from lmc_mergekit.zoo import build_zoo_model

@@ -39,8 +39,8 @@ from mergekit.options import MergeOptions
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.data.corpus import bundled_text_files
 from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
-from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.pipeline import run_recipe
+from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.zoo import build_zoo_model
 
 TEXTS = ("kjv", "austen")

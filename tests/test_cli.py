@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from tiny_models import build_model, logits, probe_ids, stored_tensors
 
-from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.cli import main
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 # Tiny random models have no tokenizer, so these recipes skip the barrier evaluation.
 UNALIGNED = {"matching": "none", "evaluate": False}

@@ -18,7 +18,8 @@ from tiny_models import logits, probe_ids
 from tokenizer_helpers import model_with_tokenizer
 from transformers import AutoModelForCausalLM
 
-from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.cli import main
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 
 def stored_dtypes(folder: Path) -> dict[str, str]:

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from tiny_models import build_model
 from tokenizer_helpers import model_with_tokenizer
 
+from lmc_mergekit.cli import main
 from lmc_mergekit.data import DataConfig, bundled_text_files, load_split, load_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import (
@@ -19,7 +20,6 @@ from lmc_mergekit.evaluation.loss import (
     mean_token_loss,
     resolve_device,
 )
-from lmc_mergekit.plugin.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from tiny_models import build_gemma3_multimodal, gemma3_image_inputs, probe_ids,
 from tokenizer_helpers import make_tokenizer, save_tokenizer
 from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration
 
+from lmc_mergekit.cli import main
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.plugin.architecture_repairs import repaired_architectures
-from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 PROJECTOR = "multi_modal_projector.mm_input_projection_weight"
 RTOL = 1e-4

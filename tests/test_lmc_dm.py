@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 from tiny_models import probe_ids
 from transformers import AutoModelForCausalLM
 
+from lmc_mergekit.cli import main
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import mean_token_loss
-from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 EVAL = {"seq_len": 64, "eval_sequences": 64, "points": 5}
 

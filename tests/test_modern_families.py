@@ -12,10 +12,11 @@ from click.testing import CliRunner
 from tiny_models import build_model, logits, probe_ids
 from tokenizer_helpers import model_with_tokenizer
 
+from lmc_mergekit.cli import main
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.passes.lmc_dm import AlignmentSettings
 from lmc_mergekit.plugin.cache import preparation_key
-from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry.group import symmetry_group
 
 MODERN = (

@@ -25,7 +25,7 @@ LAYERS = [
     {"evaluation", "symmetry", "latent", "subclone", "zoo"},
     {"matching", "transform_checkpoint"},
     {"passes"},
-    {"plugin", "autoload"},
+    {"plugin", "autoload", "cli"},
 ]
 
 

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from tokenizer_helpers import model_with_tokenizer
 
-from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.cli import main
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 EVAL = {"seq_len": 32, "eval_sequences": 8, "points": 3, "batch_size": 2}
 

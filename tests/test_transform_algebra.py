@@ -9,10 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lmc_mergekit.cli import main
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.view import iter_tensors, materialize
-from lmc_mergekit.plugin.cli import main
 from lmc_mergekit.symmetry import LayerTransform, Transform, apply_transform, random_transform
 from lmc_mergekit.symmetry.sampling import random_orthogonal
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
@@ -141,3 +141,22 @@ def test_transform_command_refuses_a_file_with_nan_before_writing(
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
     with pytest.raises(LmcError, match=f"transform's {part};"):
         transform.check_fits(open_model(llama).spec)
+
+
+def test_a_signed_permutation_turns_by_moving_columns_exactly():
+    """``turned`` moves columns for a fixed signed permutation (no product) and multiplies
+    otherwise; either way it is ``x·Q`` exactly."""
+    from lmc_mergekit.symmetry.actions import turned
+    from lmc_mergekit.symmetry.sampling import random_orthogonal, random_signed_permutation
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, dtype=torch.float64, generator=generator)
+    for q in (
+        random_signed_permutation(7, generator),
+        random_signed_permutation(7, generator).abs(),
+        random_orthogonal(7, generator),
+    ):
+        assert torch.equal(turned(x, q), x @ q)
+    learned = random_signed_permutation(7, generator).requires_grad_()
+    turned(x, learned).sum().backward()  # a learned one keeps its gradient
+    assert learned.grad is not None

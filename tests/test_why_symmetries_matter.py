@@ -10,9 +10,10 @@ import yaml
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
+from lmc_mergekit.cli import main
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import mean_token_loss
-from lmc_mergekit.plugin.cli import main, mergekit_yaml_main
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
 
 def merge(method: str, a, b, out, tmp_path, **extra) -> None:

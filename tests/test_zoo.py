@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lmc_mergekit.zoo as zoo
+from lmc_mergekit.cli import main
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.data.sequences import DataConfig, load_split
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES, mean_token_loss
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.plugin.cli import main
 from lmc_mergekit.zoo import build_zoo, build_zoo_model, parse_seeds, read_zoo_info
 from lmc_mergekit.zoo.architectures import zoo_config
 from lmc_mergekit.zoo.tokenizer import cached_tokenizer, train_tokenizer

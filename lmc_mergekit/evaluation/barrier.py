@@ -15,9 +15,11 @@ from pydantic import ConfigDict, computed_field
 from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.evaluation.blockwise import MixedView, blockwise_loss
 from lmc_mergekit.evaluation.loss import mean_token_loss
-from lmc_mergekit.evaluation.selfcheck import load_fp32
+from lmc_mergekit.evaluation.selfcheck import load_fp32, runs_blockwise
 from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.checkpoint import CheckpointReader, row_slices
 from lmc_mergekit.runtime.records import Record
 
@@ -74,12 +76,22 @@ def interpolation_losses(
     device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> PathLoss:
-    """``L(λ)`` on the grid, evaluated on one float32 model object whose weights are set in
-    place, for each λ, to ``lerp(A, B, λ)`` read from the two checkpoints a slice of rows at a
-    time: the memory is one model in float32 and a slice of each endpoint. Where one endpoint
-    ties its LM head to its embeddings and the other does not, the path runs untied (the tied
-    one's head is its embedding)."""
+    """``L(λ)`` on the grid. Where the family runs block by block, each mix is made part by
+    part as it runs (:mod:`.blockwise`: one block of each endpoint and a group's residual
+    stream in memory); otherwise on one float32 model object whose weights are set in place,
+    for each λ, to ``lerp(A, B, λ)`` read from the two checkpoints a slice of rows at a time.
+    Where one endpoint ties its LM head to its embeddings and the other does not, the path
+    runs untied (the tied one's head is its embedding)."""
     grid = lambda_grid(points)
+    views = [open_model(Path(model_a)), open_model(Path(model_b))]
+    if runs_blockwise(views[0]):
+        device = torch.device(device)
+        runner = BlockRunner(views[0].folder, views[0].adapter, views[0].spec, device)
+        losses = []
+        for lam in tqdm(grid, desc="loss along the path", disable=not progress, leave=False):
+            result = blockwise_loss(MixedView(*views, lam), runner, sequences)
+            losses.append(result.loss)
+        return PathLoss(lambdas=grid, losses=tuple(losses), tokens=result.tokens)
     a, b, untied = endpoint_readers(Path(model_a), Path(model_b))
     model = load_fp32(Path(model_a), untie=untied).to(device)
     ends = _Endpoints(model, a, b)

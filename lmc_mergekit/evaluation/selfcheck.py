@@ -99,7 +99,7 @@ def checkpoint_logits(
     where the family allows it (after checking the stored layout), else through the whole
     ``transformers`` model."""
     view = open_model(folder, trust_remote_code)
-    if not _blockwise(view):
+    if not runs_blockwise(view):
         return load_fp32(view.folder, trust_remote_code)(input_ids).logits
     _check_layout(folder, trust_remote_code)
     return _runner(view.folder, view).logits(view, input_ids)
@@ -116,7 +116,7 @@ def check_transformed(
     exact = apply_transform(source, transform, torch.float32)
     stored = _StoredAsExact(exact, written)
     ids = probe_batch(source.folder, source.spec.vocab_size)
-    if _blockwise(written):
+    if runs_blockwise(written):
         expected = _runner(source.folder, source).logits(source, ids)
         actual = _runner(candidate, written).logits(stored, ids)
     else:
@@ -195,8 +195,9 @@ def _ulps(stored: torch.Tensor, exact: torch.Tensor) -> float:
     return float(((stored.float() - exact.float()).abs() / unit).max()) if unit.numel() else 0.0
 
 
-def _blockwise(view) -> bool:
-    """Whether ``view``'s model can run block by block."""
+def runs_blockwise(view) -> bool:
+    """Whether ``view``'s model can run block by block (GPT-2 scaling attention by the layer's
+    index cannot: its one-layer module would compute another function)."""
     problem = view.adapter.blockwise_problem(read_config(view.folder))
     return bool(view.adapter.block_modules) and problem is None
 

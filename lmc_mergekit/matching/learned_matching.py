@@ -232,6 +232,7 @@ def learn_symmetries(
     def score() -> float:
         """The held-out score of the current symmetries (infinite for maps too close to
         singular to be written)."""
+        started = time.perf_counter()
         try:
             for transform in _transforms(learned, spec.num_layers, config.keep_tie):
                 transform.check_fits(spec)
@@ -241,6 +242,7 @@ def learn_symmetries(
             batch = processes.shard(heldout).to(device)
             values = torch.stack([objective(w.to(device), batch) for w in mixes]).float()
         processes.mean([values])
+        state.watch_seconds += time.perf_counter() - started
         return float(values.max())
 
     watching = heldout is not None
@@ -336,6 +338,7 @@ def _watch_record(state: TrainingState, kept: int, sequences: int, mixes) -> dic
         "sequences": sequences,
         "mixes": [[round(float(w), 4) for w in mix] for mix in mixes],
         "scores": [[int(step), score] for step, score in state.scores],
+        "seconds": round(state.watch_seconds, 3),
         "start": state.scores[0][1],
         "best": state.best["score"],
         "kept_step": kept,
@@ -378,6 +381,7 @@ class _State(TrainingState):
             "learned matching", config.lr, config.max_rollbacks, "set a smaller alignment lr"
         )
         self.objective, self.optimizer = objective, optimizer
+        self.watch_seconds = 0.0  # spent on held-out scores
 
     def capture(self) -> dict:
         return {

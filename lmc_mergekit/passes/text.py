@@ -80,12 +80,11 @@ def load_test_split(inputs: tuple[Path, ...], settings, section: str) -> Split |
 def model_test_loss(folder: Path, test: Split, options) -> float:
     """The mean test loss of the checkpoint ``folder`` on the pass's device (mergekit
     ``options``)."""
-    from lmc_mergekit.evaluation.loss import mean_token_loss
-    from lmc_mergekit.evaluation.selfcheck import load_fp32
+    from lmc_mergekit.evaluation.blockwise import checkpoint_loss
     from lmc_mergekit.passes.device import pass_device
 
-    model = load_fp32(folder, options.trust_remote_code).to(pass_device(options))
-    return mean_token_loss(model, test.sequences, progress=not options.quiet).loss
+    device, remote = pass_device(options), options.trust_remote_code
+    return checkpoint_loss(folder, test.sequences, device, remote, not options.quiet).loss
 
 
 class MergedLoss(Record):

@@ -15,7 +15,6 @@ up) is debris: it is removed with a warning and computed again.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from mergekit.options import MergeOptions
@@ -43,11 +42,6 @@ NUMERIC_OPTIONS = {
     "trust_remote_code",
     "random_seed",
 }
-
-
-def default_cache_dir() -> Path:
-    """``$LMC_MERGEKIT_CACHE``, else ``~/.cache/lmc-mergekit``."""
-    return Path(os.environ.get("LMC_MERGEKIT_CACHE", "~/.cache/lmc-mergekit")).expanduser()
 
 
 def preparation_key(method: str, settings: Section, inputs: list[Path], device: str) -> str:

@@ -53,13 +53,7 @@ class DemoResult:
         )
 
 
-# Training steps per zoo model and learned-matching steps of the demo: with the evaluation below
-# they keep the whole demo, zoo training included, under 5 minutes on 2 CPU cores.
-DEMO_TRAIN_STEPS = 500
-DEMO_ALIGN_STEPS = 120
-
-
-def demo_recipe(models: list[Path], align_steps: int = DEMO_ALIGN_STEPS) -> dict:
+def demo_recipe(models: list[Path], align_steps: int) -> dict:
     """An ``lmc_dm`` recipe averaging the models equally after weight and learned matching."""
     return {
         "merge_method": "lmc_dm",
@@ -83,8 +77,8 @@ def run_demo(
     arch: str = "gpt_neox",
     hidden: int = 64,
     layers: int = 4,
-    steps: int = DEMO_TRAIN_STEPS,
-    align_steps: int = DEMO_ALIGN_STEPS,
+    steps: int,
+    align_steps: int,
     seeds: tuple[int, int] = (0, 1),
     overwrite: bool = False,
     quiet: bool = False,

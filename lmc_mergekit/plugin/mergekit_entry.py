@@ -10,10 +10,10 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.plugin.cache import default_cache_dir
 from lmc_mergekit.plugin.mergekit_hooks import without_sections
 from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.plugin.recipe import Recipe, parse_recipe
+from lmc_mergekit.runtime.locations import default_cache_dir
 
 
 def run_plugin_merge(

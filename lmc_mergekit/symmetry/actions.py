@@ -135,7 +135,8 @@ def transform_head(head: Head, t: Transform) -> Head:
     norm = head.norm
     gain, bias = norm.gain, norm.bias
     if t.rotation is not None:
-        gain, bias = gain @ t.rotation.abs(), None if bias is None else bias @ t.rotation
+        gain = turned(gain, t.rotation.abs())
+        bias = None if bias is None else turned(bias, t.rotation)
     moved = norm.with_gain(_scaled(gain, t, -1), _scaled(bias, t, -1))
     return replace(head, norm=moved, weight=_write(head.weight, t))
 
@@ -238,14 +239,16 @@ def _read_stream(
     """Readers of the stream ``g·x·Q``: through a norm (absorbed when ``t`` absorbs norms),
     ``W ← W·Q``, a bias kept in the norm turning with the stream; without one, ``W ← W·Q/g``."""
     if norm is None:
-        rotated = readers if t.rotation is None else [(w @ t.rotation, b) for w, b in readers]
+        rotated = (
+            readers if t.rotation is None else [(turned(w, t.rotation), b) for w, b in readers]
+        )
         return None, [(_scaled(w, t, -1), b) for w, b in rotated]
     if t.absorb_norms:
         norm, readers = absorb_norm(norm, readers)
     if t.rotation is None:
         return norm, readers
-    bias = None if norm.bias is None else norm.bias @ t.rotation
-    return replace(norm, bias=bias), [(w @ t.rotation, b) for w, b in readers]
+    bias = None if norm.bias is None else turned(norm.bias, t.rotation)
+    return replace(norm, bias=bias), [(turned(w, t.rotation), b) for w, b in readers]
 
 
 def _post_norm(norm: Norm | None, t: Transform) -> Norm | None:
@@ -253,7 +256,7 @@ def _post_norm(norm: Norm | None, t: Transform) -> Norm | None:
     its gain moves with the signed permutation ``P`` (``γ ← g·γ·|P|``), never mixing channels."""
     if norm is None:
         return None
-    gain = norm.gain if t.rotation is None else norm.gain @ t.rotation.abs()
+    gain = norm.gain if t.rotation is None else turned(norm.gain, t.rotation.abs())
     return norm.with_gain(_scaled(gain, t, 1), norm.bias)
 
 
@@ -267,7 +270,21 @@ def _scaled(x: torch.Tensor | None, t: Transform, power: int) -> torch.Tensor | 
 
 def _write(x: torch.Tensor, t: Transform) -> torch.Tensor:
     """Rows written into the residual stream: ``x ← g·x·Q``."""
-    return _scaled(x if t.rotation is None else x @ t.rotation, t, 1)
+    return _scaled(x if t.rotation is None else turned(x, t.rotation), t, 1)
+
+
+def turned(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``x·Q``. A fixed signed permutation ``Q`` (the residual map of post-norm families and of
+    kept ties) moves columns instead of multiplying: the same values exactly, at the cost of a
+    copy instead of a ``d``-times larger product."""
+    if rotation.requires_grad:
+        return x @ rotation
+    magnitude = rotation.abs()
+    source = magnitude.argmax(dim=0)  # the row of each column's one nonzero entry
+    columns = torch.arange(len(rotation), device=rotation.device)
+    if not (bool((magnitude[source, columns] == 1).all()) and bool((magnitude.sum(0) == 1).all())):
+        return x @ rotation
+    return x[..., source] * rotation[source, columns].to(x)
 
 
 def _write_linear(
