@@ -385,7 +385,8 @@ def test_ridge_fit_recovers_a_linear_map_with_bias():
     solution = fit.solve(1e-10, torch.zeros(3, 5))
     assert torch.allclose(solution.weight.float(), weight, atol=1e-5)
     assert torch.allclose(solution.bias.float(), bias, atol=1e-5)
-    assert solution.error_after < 1e-9 < solution.error_before
+    # Exact up to the float32 products of each batch (summed in float64).
+    assert solution.error_after < 1e-6 < solution.error_before
     # A strong ridge keeps the given weights; the (unshrunk) bias takes the mean residual.
     start = torch.randn(3, 5, generator=generator).double()
     held = fit.solve(1e8, start)

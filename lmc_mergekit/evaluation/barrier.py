@@ -84,6 +84,7 @@ def interpolation_losses(
     runs untied (the tied one's head is its embedding)."""
     grid = lambda_grid(points)
     views = [open_model(Path(model_a)), open_model(Path(model_b))]
+    _check_same_model(*views)
     if runs_blockwise(views[0]):
         device = torch.device(device)
         runner = BlockRunner(views[0].folder, views[0].adapter, views[0].spec, device)
@@ -204,6 +205,21 @@ def _read(reader: CheckpointReader, key: str, rows: tuple[int, int] | None) -> t
 
 def _rows(tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     return tensor if rows is None else tensor[rows[0] : rows[1]]
+
+
+def _check_same_model(a, b) -> None:
+    if a.spec.architecture != b.spec.architecture:
+        raise LmcError(
+            f"{a.folder} is {a.spec.architecture} but {b.folder} is {b.spec.architecture}; the "
+            "path needs two models of one architecture and shape"
+        )
+    mismatch = a.spec.shape_mismatch(b.spec)
+    if mismatch is not None:
+        key, size_a, size_b = mismatch
+        raise LmcError(
+            f"{key} is {size_a} in {a.folder} but {size_b} in {b.folder}; the path needs two "
+            "models of one shape"
+        )
 
 
 def _check_same_tensors(a: CheckpointReader, b: CheckpointReader, model_a, model_b) -> None:

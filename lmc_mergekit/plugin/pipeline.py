@@ -55,6 +55,7 @@ from lmc_mergekit.plugin.recipe import Recipe, read_recipe
 from lmc_mergekit.plugin.resolve import LocalModels, resolve_models
 from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
 from lmc_mergekit.runtime.locks import entry_lock
+from lmc_mergekit.runtime.memory import release_freed_memory
 from lmc_mergekit.runtime.provenance import write_provenance
 from lmc_mergekit.runtime.publish import check_output_free, staged_folder
 from lmc_mergekit.runtime.records import Record
@@ -145,7 +146,9 @@ def run_plugin_recipe(
     procs = procs or Processes()
     load_test = lazy_test_split(work)
     prepared = prepare(method, settings, work.config, options, cache_dir, procs, load_test)
+    release_freed_memory()  # each stage's peak, not their sum
     merge_prepared(work.config, settings, prepared, folder, options)
+    release_freed_memory()
     report = measure(work, prepared, folder, load_test, options, cache_dir)
     if options.write_model_card:
         rows = {
