@@ -210,15 +210,15 @@ def row_learn(source: Path, args) -> dict:
     result, _ = run_recipe("learn", recipe, args)
     learning = result["report"]["learning"]
     watch = learning["held_out"]
-    step = (learning["seconds"] - watch["seconds"]) / len(learning["losses"])
+    step = (learning["seconds"] - watch["seconds"]) / watch["steps_run"]
     checks = watch["seconds"] / len(watch["scores"])
     # A 200-step recipe: 200 steps and a held-out check at the start and every 40 steps.
     whole = 200 * step + 6 * checks
     kept = "the matched start" if watch["kept_step"] == 0 else f"step {watch['kept_step']}"
     result["figures"] = (
         f"{step:.1f} s a step, {checks:.1f} s a held-out check: 200 steps ≈ {whole / 60:.0f} "
-        f"min; held-out {watch['start']:.4f} → {watch['best']:.4f}, kept {kept} "
-        f"({len(learning['rollbacks'])} rollbacks)"
+        f"min; {watch['steps_run']} steps run ({len(learning['rollbacks'])} rollbacks), held-out "
+        f"{watch['start']:.4f} → {watch['best']:.4f}: kept {kept}"
     )
     result["stages"] = stages(result["report"])
     return result
@@ -348,6 +348,12 @@ def row_ls_merge(source: Path, args) -> dict:
 
 def stages(report: dict) -> str:
     """The report's stage timings, ``name s``."""
+    if report.get("method") == "subclone_compensate":
+        return f"conversion {report['donors'][0]['seconds']:.0f} s"
+    if report.get("method") == "ls_merge":
+        training = sum(a["record"].get("seconds") or 0 for a in report["autoencoders"])
+        encoding = sum(i["seconds"] for i in report["inputs"])
+        return f"autoencoder training {training:.0f} s, encoding {encoding:.0f} s"
     return ", ".join(f"{k} {v:.0f} s" for k, v in report.get("seconds", {}).items())
 
 

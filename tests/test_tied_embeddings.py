@@ -114,3 +114,50 @@ def test_a_tied_model_and_an_untied_copy_are_aligned_measured_and_merged(
     assert record["inputs_tied"] == ([True, False] if order == "tied_first" else [False, True])
     assert not tied(out) and "lm_head.weight" in keys(out)
     assert "the others store a head of their own" in (out / "README.md").read_text()
+
+
+SECTIONS = {
+    "subclone_compensate": (
+        "subclone",
+        {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 1, "seq_len": 32},
+    ),
+    "ls_merge": ("latent", {"steps": 30, "width": 32, "seq_len": 32, "noise_floor": False}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(SECTIONS))
+def test_every_method_merges_a_tied_and_an_untied_input(tied_and_untied, tmp_path, method):
+    """A tied model and an untied copy of it: converted or merged like any pair; the output
+    keeps a head of its own (the untied input's head is not dropped), and is measured."""
+    section, settings = SECTIONS[method]
+    recipe = {
+        "merge_method": method,
+        "models": [{"model": str(p), "parameters": {"weight": 0.5}} for p in tied_and_untied],
+        "dtype": "float32",
+        section: {**settings, "eval_sequences": 8},
+    }
+    path = tmp_path / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(mergekit_yaml_main, [str(path), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert not tied(out) and "lm_head.weight" in keys(out)
+    report = json.loads(next(out.glob("*_report.json")).read_text())
+    assert report["merged"]["test_loss"] > 0
+
+
+@pytest.mark.parametrize("method", sorted(SECTIONS))
+def test_every_method_writes_tied_inputs_tied(tied_pair, tmp_path, method):
+    section, settings = SECTIONS[method]
+    recipe = {
+        "merge_method": method,
+        "models": [{"model": str(p), "parameters": {"weight": 0.5}} for p in tied_pair],
+        "dtype": "float32",
+        section: {**settings, "evaluate": False},
+    }
+    path = tmp_path / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(mergekit_yaml_main, [str(path), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert tied(out) and "lm_head.weight" not in keys(out)

@@ -272,6 +272,7 @@ def learn_symmetries(
             reduced = torch.tensor(math.nan, device=device)
         processes.mean([reduced] + [p.grad for p in params])
         value = float(reduced)
+        state.steps_run += 1
         if state.diverged(value):
             state.roll_back(step, value)
             bar.n = state.step
@@ -339,6 +340,7 @@ def _watch_record(state: TrainingState, kept: int, sequences: int, mixes) -> dic
         "mixes": [[round(float(w), 4) for w in mix] for mix in mixes],
         "scores": [[int(step), score] for step, score in state.scores],
         "seconds": round(state.watch_seconds, 3),
+        "steps_run": state.steps_run,
         "start": state.scores[0][1],
         "best": state.best["score"],
         "kept_step": kept,
@@ -382,6 +384,7 @@ class _State(TrainingState):
         )
         self.objective, self.optimizer = objective, optimizer
         self.watch_seconds = 0.0  # spent on held-out scores
+        self.steps_run = 0  # steps taken, those rolled back included
 
     def capture(self) -> dict:
         return {
