@@ -11,6 +11,7 @@ decoded with the target's shapes. Every folder is read back before it is kept.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from lmc_mergekit.latent.codec import EncodedTensor, decode_tensor, encode_tenso
 from lmc_mergekit.latent.heterogeneous import check_mapping, layer_map, own_pieces, transport_source
 from lmc_mergekit.latent.store import LatentStore, LatentWriter
 from lmc_mergekit.latent.tensor_merge import decode_key
-from lmc_mergekit.models.adapters import CheckpointView
+from lmc_mergekit.models.adapters import CheckpointView, open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
 from lmc_mergekit.models.layout import PartLayout, Piece, part_layouts
@@ -71,6 +72,17 @@ class LatentInput:
         family), rather than merged as they are."""
         mismatch = target.view.spec.shape_mismatch(self.view.spec)
         return self.family != target.family or mismatch is not None
+
+
+def _write_config(view: CheckpointView, out: Path) -> None:
+    """``view``'s config.json into ``out``: copied, or rewritten untied for a tied model read
+    untied (among inputs that tie their heads differently)."""
+    source = view.folder / "config.json"
+    if view.spec.tied_embeddings or not open_model(view.folder).spec.tied_embeddings:
+        shutil.copy2(source, out / "config.json")
+        return
+    config = view.adapter.updated_config(json.loads(source.read_text()), view.spec)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _order(piece: Piece) -> tuple[int, str]:
@@ -232,7 +244,7 @@ def _write(
         writer.write({name: tensor})
     writer.close()
     latents.close()
-    shutil.copy2(like.view.folder / "config.json", out / "config.json")
+    _write_config(like.view, out)
     copy_tagalong_files(like.view.folder, out)
     check_prepared(out, autoencoder, like, residuals)
     return kept, reconstruction

@@ -4,12 +4,13 @@ each stage gets, and the comparison merges a measurement may declare."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
 from mergekit.options import MergeOptions
 from pydantic import BaseModel, ConfigDict, Field
+from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
@@ -127,6 +128,21 @@ class PassContext(StageContext):
         views = [open_model(path, self.options.trust_remote_code) for path in self.inputs]
         check_one_shape(views, self.method)
         return views
+
+
+def untie_where_mixed(views: list[CheckpointView], progress: bool = False) -> bool:
+    """Where some inputs tie their LM head to their embeddings and others store one of their
+    own (a tied base and a fine-tune saved untied), the tied ones are read untied (their head
+    is their embedding), so that every checkpoint written or merged keeps a head of its own
+    and no input's head is dropped; whether any was (said in one line with ``progress``)."""
+    if len({view.spec.tied_embeddings for view in views}) < 2:
+        return False
+    for view in views:
+        if view.spec.tied_embeddings:
+            view.spec = replace(view.spec, tied_embeddings=False)
+    if progress:
+        tqdm.write("the inputs tie their LM heads differently: the tied ones are read untied")
+    return True
 
 
 def check_one_shape(views: list[CheckpointView], method: str) -> None:

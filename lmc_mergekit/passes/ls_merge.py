@@ -29,6 +29,7 @@ from lmc_mergekit.passes.base import (
     PassContext,
     Report,
     TextSettings,
+    untie_where_mixed,
 )
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, model_test_loss
@@ -278,6 +279,7 @@ def prepare(ctx: PassContext) -> LatentPreparation | None:
     extra = [open_model(path, ctx.options.trust_remote_code) for path in settings.extra_models]
     kind = merge_kind(views, ctx.base_model)
     _check_families(views, extra)
+    untie_where_mixed(views, ctx.progress)
     ctx.load_test()  # data before any heavy work
     models = [LatentInput.read(view) for view in views]
     if kind == "heterogeneous":  # before any training: every target block tensor needs a source

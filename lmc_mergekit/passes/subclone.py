@@ -22,7 +22,13 @@ from lmc_mergekit.evaluation.selfcheck import (
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.block_runner import BlockRunner
-from lmc_mergekit.passes.base import MeasureContext, PassContext, Report, TextSettings
+from lmc_mergekit.passes.base import (
+    MeasureContext,
+    PassContext,
+    Report,
+    TextSettings,
+    untie_where_mixed,
+)
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
 from lmc_mergekit.runtime.records import Record
@@ -187,6 +193,7 @@ def prepare(ctx: PassContext) -> SubclonePreparation | None:
         return None  # the conversion runs in one process
     settings: SubcloneSettings = ctx.settings
     views = [open_model(path, ctx.options.trust_remote_code) for path in ctx.inputs]
+    untie_where_mixed(views, ctx.progress)
     for view in views[1:]:
         if view.adapter is not views[0].adapter:
             raise LmcError(
