@@ -369,13 +369,14 @@ RUNNERS = {
 
 def table(results: list[tuple[str, dict]], fp32: int, args) -> str:
     """The results as a Markdown table, with how and where they were measured."""
+    shown = [a for i, a in enumerate(sys.argv[1:]) if "--markdown" not in sys.argv[i : i + 2]]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
     lines = [
         f"SmolLM2-135M-Instruct (bf16, tied; one model in float32: {gib(fp32)}). Measured "
         f"{date.today()} on {platform.machine()} with {_cores()} cores, commit {commit}: "
-        f"`python benchmarks/real_pretrained.py {' '.join(sys.argv[1:])}`.",
+        f"`{' '.join(['python benchmarks/real_pretrained.py', *shown])}`.",
         "",
         "| row | seconds | peak RSS (× one model in fp32) | measured | stages |",
         "|---|---|---|---|---|",
