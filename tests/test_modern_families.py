@@ -124,7 +124,7 @@ def test_learned_matching_learns_what_the_family_admits(with_text, tmp_path, var
         assert (logits(moved, ids) - logits(source, ids)).abs().max() < 1e-4, moved
     pair = report["pairs"][0]
     midpoint = {kind: pair[kind]["losses"][1] for kind in ("raw", "matched", "learned")}
-    assert midpoint["learned"] < midpoint["matched"] - 0.02, midpoint
+    assert midpoint["learned"] < midpoint["matched"] - 0.01, midpoint
     assert pair["learned"]["endpoint_losses"] == pytest.approx(
         pair["raw"]["endpoint_losses"], abs=1e-4
     )

@@ -13,11 +13,12 @@ draws what an uninterrupted one would and ends with the same result.
 Learning never makes the merge worse than the matching it starts from. A few calibration
 sequences are held out of training; the loss of fixed mixes on them (the highest of λ = ¼, ½,
 ¾ for two models, the centre for more) is measured at the start (matching's result, the floor)
-and every fifth of the run (at every checkpoint at least). The best state is kept; a score that
-rises sends the run back to it with half the learning rate (so the step size comes down to what
-the model takes), as a non-finite loss or one far above the start's score does; when the
-rollbacks run out the run stops there; and the result is always the best state measured
-(:mod:`lmc_mergekit.runtime.rollback`, shared by every training loop).
+and every fifth of the run (at every checkpoint at least). The best state is kept; a score far
+above it sends the run back there with half the learning rate (so the step size comes down to
+what the model takes), as a non-finite loss or one far above the start's score does; when the
+rollbacks run out the run stops there; and the result is the last state if it scored within
+the held-out noise of the best, else the best (:mod:`lmc_mergekit.runtime.rollback`, shared by
+every training loop).
 """
 
 from __future__ import annotations
@@ -135,9 +136,10 @@ class LearningResult:
                 f"learned matching did not improve on matching (held-out mix loss {start:.4f} "
                 "at the start): kept the matched alignment"
             )
+        kept = watch["kept_score"]
         return (
-            f"learned matching: held-out mix loss {start:.4f} -> {best:.4f} "
-            f"(kept step {watch['kept_step']})"
+            f"learned matching: held-out mix loss {start:.4f} -> {kept:.4f} "
+            f"(kept step {watch['kept_step']}; best {best:.4f})"
         )
 
 
@@ -343,6 +345,7 @@ def _watch_record(state: TrainingState, kept: int, sequences: int, mixes) -> dic
         "steps_run": state.steps_run,
         "start": state.scores[0][1],
         "best": state.best["score"],
+        "kept_score": next(s for step, s in reversed(state.scores) if step == kept),
         "kept_step": kept,
         "stopped_early": state.stopped,
     }

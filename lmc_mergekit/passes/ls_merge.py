@@ -279,7 +279,8 @@ def prepare(ctx: PassContext) -> LatentPreparation | None:
     extra = [open_model(path, ctx.options.trust_remote_code) for path in settings.extra_models]
     kind = merge_kind(views, ctx.base_model)
     _check_families(views, extra)
-    untie_where_mixed(views, ctx.progress)
+    if kind == "homogeneous":  # onto a target, the target's layout (and tie) is written
+        untie_where_mixed(views, ctx.progress)
     ctx.load_test()  # data before any heavy work
     models = [LatentInput.read(view) for view in views]
     if kind == "heterogeneous":  # before any training: every target block tensor needs a source
