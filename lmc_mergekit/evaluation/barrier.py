@@ -93,7 +93,7 @@ def interpolation_losses(
             result = blockwise_loss(MixedView(*views, lam), runner, sequences)
             losses.append(result.loss)
         return PathLoss(lambdas=grid, losses=tuple(losses), tokens=result.tokens)
-    a, b, untied = endpoint_readers(Path(model_a), Path(model_b))
+    a, b, untied = endpoint_readers(*views)
     model = load_fp32(Path(model_a), untie=untied).to(device)
     ends = _Endpoints(model, a, b)
     losses = []
@@ -155,13 +155,10 @@ class _Endpoints:
                 _rows(target, rows).copy_(torch.lerp(a, b, lam))
 
 
-def endpoint_readers(
-    model_a: Path, model_b: Path
-) -> tuple[CheckpointReader, CheckpointReader, bool]:
-    """Readers of the two checkpoints, and whether the path must run untied: where exactly one
-    ties its LM head to its embeddings, its reader also gives the embedding under the key the
-    other stores its head under."""
-    views = [open_model(folder) for folder in (model_a, model_b)]
+def endpoint_readers(*views) -> tuple[CheckpointReader, CheckpointReader, bool]:
+    """Readers of the two views' checkpoints, and whether the path must run untied: where
+    exactly one ties its LM head to its embeddings, its reader also gives the embedding under
+    the key the other stores its head under."""
     readers = [CheckpointReader(view.folder) for view in views]
     tied = [view.spec.tied_embeddings for view in views]
     if tied[0] == tied[1]:
