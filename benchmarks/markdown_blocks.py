@@ -1,0 +1,124 @@
+"""Benchmark tables written into the documentation, with the command, machine, date and commit.
+
+A table lives in a Markdown file between two markers that name the benchmark writing it::
+
+    <!-- begin benchmarks/subclone.py:table -->
+    ... written by the benchmark ...
+    <!-- end benchmarks/subclone.py:table -->
+
+Every benchmark that prints a table takes ``--markdown FILE [FILE ...]``: the table, with a
+line saying where and how it was measured, replaces what stands between its markers in each
+file (``docs/results.md``, and ``README.md`` for the headline tables). A file without the
+block's markers is an error rather than a guess at where the table belongs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"<!-- (begin|end) (benchmarks/[\w./-]+\.py):([\w-]+) -->")
+
+
+def add_markdown_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--markdown FILE ...`` option every table-printing benchmark takes."""
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="write the table between its markers in these Markdown files (docs/results.md)",
+    )
+
+
+def machine() -> str:
+    """The machine in words: CPU model and the cores this process may use, and any GPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    words = f"{cores} cores of {cpu}"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            words += f", {torch.cuda.get_device_name()}"
+    except ImportError:
+        pass
+    return words
+
+
+def commit() -> str:
+    """The checked-out commit, marked ``+changes`` when the tree differs from it."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def command(argv: list[str] | None = None) -> str:
+    """The command that was run, without its ``--markdown`` files."""
+    argv = list(sys.argv if argv is None else argv)
+    shown, skipping = [], False
+    for arg in argv[1:]:
+        if arg == "--markdown":
+            skipping = True
+            continue
+        if skipping and not arg.startswith("-"):
+            continue
+        skipping = False
+        shown.append(arg)
+    script = Path(argv[0]).resolve()
+    name = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else script.name
+    return shlex.join(["python", name, *shown])
+
+
+def provenance(argv: list[str] | None = None) -> str:
+    """One line: the command, the machine, the date and the commit."""
+    return f"Written by `{command(argv)}` on {machine()}, {date.today()}, commit {commit()}."
+
+
+def block_name(script: str, table: str) -> tuple[str, str]:
+    """The two markers of one benchmark's table."""
+    script = Path(script).resolve()
+    rel = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else script.name
+    return f"<!-- begin {rel}:{table} -->", f"<!-- end {rel}:{table} -->"
+
+
+def write_block(files: list[Path], table: str, body: str, script: str | None = None) -> None:
+    """Put ``body`` (a Markdown table, perhaps with a caption) with its provenance line between
+    the markers of ``table`` in each file."""
+    begin, end = block_name(script or sys.argv[0], table)
+    text = f"{begin}\n{provenance()}\n\n{body.strip()}\n{end}"
+    for path in files:
+        page = path.read_text(encoding="utf-8")
+        start, stop = page.find(begin), page.find(end)
+        if start < 0 or stop < start:
+            raise SystemExit(f"{path} has no block {begin}: add its two markers where it belongs")
+        path.write_text(page[:start] + text + page[stop + len(end) :], encoding="utf-8")
+        print(f"wrote {table} into {path}")
+
+
+def publish(args: argparse.Namespace, table: str, body: str) -> None:
+    """Print a table and, with ``--markdown``, write it into the documentation."""
+    print("\n" + body.strip())
+    if getattr(args, "markdown", None):
+        write_block(args.markdown, table, body)
