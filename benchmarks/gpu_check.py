@@ -1,6 +1,7 @@
 """Every GPU path of the project in one run on one GPU (an H200: about 6 minutes).
 
     python benchmarks/gpu_check.py [--work DIR] [--shape 160m] [--zoo-steps 1500] [--dry-run]
+        [--markdown docs/results.md]
 
 1. the environment (torch, the device, its memory);
 2. a zoo pair (GPT-NeoX, d=128, 4 layers, seeds 0 and 1) trained on the GPU;
@@ -20,6 +21,9 @@ processes under ``torchrun``; no scale rows) in a few minutes: it checks the scr
 GPU, so that the day a GPU is lent is not spent on a typo. Each stage prints its row as it
 finishes; a stage that fails prints its error and the run goes on (the exit status counts the
 failed stages). Everything printed is also written to ``$OUT/gpu_check.md`` when ``OUT`` is set.
+With ``--markdown``, the tables of the stages that succeeded are written, once every stage has
+run, as the blocks ``table-lmc_dm`` (stage 4) and ``table-scale`` (stage 7); ``--block`` replaces
+``table``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 import yaml
 from lmc_dm_recipe import HEADER, pair_row
+from markdown_blocks import add_markdown_option, publish
 from mergekit.options import MergeOptions
 from scale import build_pair, measure_learn, measure_pass
 
@@ -46,6 +51,8 @@ from lmc_mergekit.zoo import build_zoo
 
 LINES: list[str] = []
 FAILED: list[str] = []
+#: The tables of the stages that succeeded, by block suffix: written at the end of the run.
+TABLES: dict[str, str] = {}
 
 
 def say(line: str) -> None:
@@ -102,6 +109,7 @@ def main() -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="the same stages on the CPU at toy sizes"
     )
+    add_markdown_option(parser)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     environment(args.dry_run)
@@ -145,7 +153,9 @@ def main() -> int:
         say("\n" + HEADER)
         label = f"gpt_neox d={hidden} ({'CPU, dry run' if dry else 'GPU'})"
         evaluation = {"points": 3, "eval_sequences": 16} if dry else {}
-        say(pair_row(label, *pair, learn_steps, args.work / "lmc", options, **evaluation))
+        row = pair_row(label, *pair, learn_steps, args.work / "lmc", options, **evaluation)
+        say(row)
+        TABLES["lmc_dm"] = f"{HEADER}\n{row}"
 
     def launcher() -> None:
         # One process per GPU (two at most: LOCAL_RANK picks each one's); two on the CPU.
@@ -182,20 +192,33 @@ def main() -> int:
         a, b, params = build_pair(args.shape, args.work)
         fp32 = params * 4
         scale_args = argparse.Namespace(ae_steps=50, batch=4, cuda=True, rounds=None)
-        say(f"\n{args.shape}: {params / 1e6:.0f} M parameters, {fp32 / 1024**3:.2f} GB fp32")
+        lines = [
+            f"{args.shape}: {params / 1e6:.0f} M parameters, {fp32 / 1024**3:.2f} GB fp32",
+            "",
+            "| pass | seconds: pass (whole command) | peak RSS of the pass (× one model fp32) "
+            "| GPU peak | detail |",
+            "|---|---|---|---|---|",
+        ]
+        say("\n" + "\n".join(lines))
         for kind in ("lmc_dm", "subclone", "ls_merge"):
             row = measure_pass(kind, a, b, fp32, args.work, scale_args)
-            extra = ""
+            detail = ""
             if kind == "lmc_dm":
-                extra = f", {row['rounds']} rounds of {row['per_round']:.1f} s"
-            say(
+                detail = f"{row['rounds']} rounds of {row['per_round']:.1f} s"
+            lines.append(
                 f"| {kind} | {row['pass_seconds']:.0f} s (whole {row['seconds']:.0f} s) | "
-                f"RSS {row['pass_ratio']:.2f}× | GPU peak {row.get('gpu_peak', 0) / 1024**3:.2f}"
-                f" GB{extra} |"
+                f"{row['pass_ratio']:.2f}× | {row.get('gpu_peak', 0) / 1024**3:.2f} GB | "
+                f"{detail} |"
             )
+            say(lines[-1])
         steps = measure_learn(a, b, scale_args)
         (train, _), (align, _) = steps["train"], steps["align"]
-        say(f"| learned step | {align:.3f} s = {align / train:.1f}× a plain step ({train:.3f} s) |")
+        lines.append(
+            f"| learned step | {align:.3f} s = {align / train:.1f}× a plain step ({train:.3f} s) "
+            "| | | |"
+        )
+        say(lines[-1])
+        TABLES["scale"] = "\n".join(lines)
 
     stage("zoo pair", zoo)
     if pair:
@@ -209,6 +232,9 @@ def main() -> int:
         stage("scale rows", scale_rows)
     if FAILED:
         say(f"\nfailed: {', '.join(FAILED)}")
+    for suffix, body in TABLES.items():
+        block = f"{args.block or 'table'}-{suffix}"
+        publish(argparse.Namespace(markdown=args.markdown), block, body)
     return len(FAILED)
 
 

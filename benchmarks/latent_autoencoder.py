@@ -1,6 +1,7 @@
 """The weight autoencoder on one zoo model: encode–decode fidelity against PCA.
 
     python benchmarks/latent_autoencoder.py fidelity [--model DIR] [--ratios 1.6 2 4]
+        [--markdown docs/results.md]
 
 ``fidelity``: for each compression ratio ``r`` the autoencoder (default sizes: chunks of 64,
 latents of ``64/r``) is trained on the model's own weights, every tensor is encoded and decoded
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from markdown_blocks import add_markdown_option, publish
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import mean_token_loss
@@ -58,9 +60,12 @@ def pca_decode(tensors: list[NamedTensor], size: int, keep: int) -> dict:
     return decoded
 
 
-def fidelity(args, tensors, test) -> None:
-    print("| ratio | method | mean relative error | test loss | training |")
-    print("|---|---|---|---|---|")
+def fidelity(args, tensors, test, caption: str) -> None:
+    lines = [
+        "| ratio | method | mean relative error | test loss | training |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join([caption, *lines]), flush=True)
     for ratio in args.ratios:
         config = autoencoder_config_for(tensors, compression_ratio=ratio)
         started = time.perf_counter()
@@ -75,7 +80,9 @@ def fidelity(args, tensors, test) -> None:
                 relative_error(t.tensor, decoded[(t.kind, t.layer)]) for t in tensors
             ) / len(tensors)
             loss = decoded_loss(args.model, decoded, test)
-            print(f"| {ratio:g} | {name} | {error:.3f} | {loss:.3f} | {cost} |", flush=True)
+            lines.append(f"| {ratio:g} | {name} | {error:.3f} | {loss:.3f} | {cost} |")
+            print(lines[-1], flush=True)
+    publish(args, "fidelity", "\n".join([caption, "", *lines]))
 
 
 def main() -> None:
@@ -87,15 +94,16 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[1.6, 2.0, 4.0])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--eval", type=int, default=128, help="test sequences")
+    add_markdown_option(parser)
     args = parser.parse_args()
     tokenizer = load_tokenizer([args.model])
     test = load_split(DataConfig(), tokenizer, "test", args.eval)
     tensors = model_tensors(open_model(args.model))
     original = mean_token_loss(load_fp32(args.model), test).loss
-    print(
+    caption = (
         f"{args.model.name}: {sum(t.tensor.numel() for t in tensors)} weights, test {original:.3f}"
     )
-    {"fidelity": fidelity}[args.command](args, tensors, test)
+    {"fidelity": fidelity}[args.command](args, tensors, test, caption)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     python benchmarks/learned_matching.py step     [--zoo DIR] [--arch gpt_neox llama]
     python benchmarks/learned_matching.py three    [--zoo DIR] [--hidden 64] [--steps 300]
     python benchmarks/learned_matching.py matching [--zoo DIR] [--arch gemma2] [--steps 200]
+        (each also [--markdown docs/results.md] [--block NAME])
 
 ``time``: the barrier on the test split against wall-clock learning time (evaluation excluded),
 starting from weight matching. ``ablation``: the final barrier of the paper's variants with one
@@ -15,6 +16,10 @@ activation matching, each alone and followed by learned matching with and withou
 residual permutation (families with a discrete residual group). Barriers use the recipe
 defaults (11 λ points) on ``--eval`` test sequences. Zoo models are built when missing (a d=128
 model takes about 5 minutes on two CPU cores).
+
+With ``--markdown`` each table is written as the block named after the command; ``ablation``
+writes one block per architecture, ``ablation-<arch>`` (``--block`` replaces the command's name,
+the architecture still appended).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from markdown_blocks import add_markdown_option, publish
 from step_timing import time_step
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
@@ -98,8 +104,11 @@ class Setup:
 
 
 def cmd_time(args) -> None:
-    print("| pair | raw barrier | weight matching | learned: barrier (removed) after seconds |")
-    print("|---|---|---|---|")
+    lines = [
+        "| pair | raw barrier | weight matching | learned: barrier (removed) after seconds |",
+        "|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     for arch in args.arch:
         setup = Setup(args, arch, (0, 1))
         raw, matched = setup.barrier(setup.raw), setup.barrier(setup.endpoints)
@@ -129,13 +138,14 @@ def cmd_time(args) -> None:
 
         config = LearningConfig(steps=args.steps, lr=args.lr, checkpoint_every=every)
         setup.learn(config, on_checkpoint=follow)
-        print(
+        lines.append(
             f"| {arch} d={args.hidden} | {raw:.3f} | {matched:.3f} "
             f"({1 - matched / raw:.0%}) @ {setup.matching_seconds:.0f} s | "
             + "; ".join(marks)
-            + " |",
-            flush=True,
+            + " |"
         )
+        print(lines[-1], flush=True)
+    publish(args, "time", "\n".join(lines))
 
 
 ABLATION = {
@@ -157,27 +167,35 @@ def cmd_ablation(args) -> None:
     for arch in args.arch:
         setup = Setup(args, arch, (0, 1))
         raw, matched = setup.barrier(setup.raw), setup.barrier(setup.endpoints)
-        print(f"\n{arch} d={args.hidden}, {args.steps} steps each\n")
-        print("| variant | barrier | removed | seconds |\n|---|---|---|---|")
-        print(f"| raw | {raw:.3f} | 0% | |")
-        print(
+        lines = [
+            f"{arch} d={args.hidden}, {args.steps} steps each",
+            "",
+            "| variant | barrier | removed | seconds |",
+            "|---|---|---|---|",
+            f"| raw | {raw:.3f} | 0% | |",
             f"| weight matching | {matched:.3f} | {1 - matched / raw:.0%} | "
             f"{setup.matching_seconds:.1f} |",
-            flush=True,
-        )
+        ]
+        print("\n" + "\n".join(lines), flush=True)
         base = LearningConfig(steps=args.steps, lr=args.lr, checkpoint_every=args.steps)
         for name, change in ABLATION.items():
             ends, result = setup.learn(replace(base, **change))
             barrier = setup.barrier(ends)
-            print(
-                f"| {name} | {barrier:.3f} | {1 - barrier / raw:.0%} | {result.seconds:.0f} |",
-                flush=True,
+            lines.append(
+                f"| {name} | {barrier:.3f} | {1 - barrier / raw:.0%} | {result.seconds:.0f} |"
             )
+            print(lines[-1], flush=True)
+        # One block per architecture: --block names the blocks' prefix.
+        block = f"{args.block or 'ablation'}-{arch}"
+        publish(argparse.Namespace(markdown=args.markdown), block, "\n".join(lines))
 
 
 def cmd_matching(args) -> None:
-    print("| pair | start | barrier after matching | learned | learned with the permutation |")
-    print("|---|---|---|---|---|")
+    lines = [
+        "| pair | start | barrier after matching | learned | learned with the permutation |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     for arch in args.arch:
         for matching in ("weights", "activations"):
             setup = Setup(args, arch, (0, 1), matching)
@@ -188,20 +206,23 @@ def cmd_matching(args) -> None:
                 ends, result = setup.learn(replace(config, checkpoint_every=args.steps))
                 barrier = setup.barrier(ends)
                 cells.append(f"{barrier:.3f} ({1 - barrier / raw:.0%}), {result.seconds:.0f} s")
-            print(
+            lines.append(
                 f"| {arch} d={args.hidden} (raw {raw:.3f}) | {matching} | {matched:.3f} "
                 f"({1 - matched / raw:.0%}), {setup.matching_seconds:.0f} s | "
                 + " | ".join(cells)
-                + " |",
-                flush=True,
+                + " |"
             )
+            print(lines[-1], flush=True)
+    publish(args, "matching", "\n".join(lines))
 
 
 def cmd_step(args) -> None:
-    print(
+    lines = [
         "| pair | training step | alignment step | ratio | training peak RSS | "
-        "alignment peak RSS |\n|---|---|---|---|---|---|"
-    )
+        "alignment peak RSS |",
+        "|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     for arch in args.arch:
         times = {}
         for mode in ("train", "align"):
@@ -229,12 +250,13 @@ def cmd_step(args) -> None:
             )
             times[mode] = json.loads(out)
         t, a = times["train"], times["align"]
-        print(
+        lines.append(
             f"| {arch} d={args.hidden} | {t['seconds'] * 1e3:.0f} ms | "
             f"{a['seconds'] * 1e3:.0f} ms | {a['seconds'] / t['seconds']:.2f} | "
-            f"{t['peak_mib']:.0f} MiB | {a['peak_mib']:.0f} MiB |",
-            flush=True,
+            f"{t['peak_mib']:.0f} MiB | {a['peak_mib']:.0f} MiB |"
         )
+        print(lines[-1], flush=True)
+    publish(args, "step", "\n".join(lines))
 
 
 def cmd_step_worker(args) -> None:
@@ -258,11 +280,18 @@ def cmd_three(args) -> None:
         pairwise[other] = ends[1]
     rows["pairwise (each with the fixed first)"] = pairwise
     header = " | ".join(f"barrier {a + 1}–{b + 1}" for a, b in pairs)
-    print(f"\n{args.arch[0]} d={args.hidden}, seeds 0, 1, 2, {args.steps} steps\n")
-    print(f"| alignment | {header} | three-way average loss |\n|---|---|---|---|---|")
+    lines = [
+        f"{args.arch[0]} d={args.hidden}, seeds 0, 1, 2, {args.steps} steps",
+        "",
+        f"| alignment | {header} | three-way average loss |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n" + "\n".join(lines), flush=True)
     for name, ends in rows.items():
         cells = " | ".join(f"{setup.barrier(ends, pair):.3f}" for pair in pairs)
-        print(f"| {name} | {cells} | {setup.centre_loss(ends):.3f} |", flush=True)
+        lines.append(f"| {name} | {cells} | {setup.centre_loss(ends):.3f} |")
+        print(lines[-1], flush=True)
+    publish(args, "three", "\n".join(lines))
 
 
 def main() -> None:
@@ -280,6 +309,7 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=256, help="test sequences per barrier")
     parser.add_argument("--mode", choices=["train", "align"], default="align")
     parser.add_argument("--repeats", type=int, default=10)
+    add_markdown_option(parser)
     args = parser.parse_args()
     args.zoo_steps = args.zoo_steps or (1500 if args.hidden >= 128 else 600)
     defaults = {"time": 1400, "ablation": 200, "three": 300, "matching": 200}

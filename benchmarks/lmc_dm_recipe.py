@@ -3,7 +3,7 @@
     python benchmarks/lmc_dm_recipe.py [--zoo DIR] [--arch qwen3 gemma2] [--hidden 128]
         [--zoo-steps 1500] [--steps 600] [--matching weights activations]
         [--learn residual permutation scale qk ov]
-        [--tied --tied-embeddings untie keep]
+        [--tied --tied-embeddings untie keep] [--markdown docs/results.md]
 
 Builds (or reuses) the zoo pair of each architecture (seeds 0 and 1), runs an ``lmc_dm``
 recipe (weight matching, then ``--steps`` of dual learned matching with the defaults) through
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import yaml
+from markdown_blocks import add_markdown_option, publish
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.passes.lmc_dm import AlignmentReport
@@ -83,9 +84,11 @@ def main() -> None:
     parser.add_argument(
         "--tied-embeddings", nargs="+", default=["untie"], choices=["untie", "keep"]
     )
+    add_markdown_option(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lmc-dm-bench-"))
-    print(HEADER)
+    print(HEADER, flush=True)
+    rows = []
     for arch in args.arch:
         a, b = build_zoo(
             args.zoo, arch, args.hidden, args.layers, (0, 1), args.zoo_steps, tied=args.tied
@@ -107,6 +110,8 @@ def main() -> None:
                     **extra,
                 )
                 print(row, flush=True)
+                rows.append(row)
+    publish(args, "table", "\n".join([HEADER, *rows]))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@
     python benchmarks/ls_merge.py heterogeneous [--source DIR] [--target DIR] [--lambdas ...]
                                                 [--random-source]
     python benchmarks/ls_merge.py self-merge    [--base DIR] [--samples 1 4 16]
+        (each also [--markdown docs/results.md] [--block NAME])
 
-``experts``: two experts fine-tuned from one zoo model on different text (Austen's *Emma*, the
-King James Bible), merged half and half by ``ls_merge`` (autoencoder seeds 0 and 1: the noise
-floor), by mergekit ``linear`` and by mergekit ``ties`` (task vectors against the base,
-density 0.5), each scored on both texts' test splits. Latent merges are shown as the paper
-decodes them (``keep_residuals: false``) and with the inputs' reconstruction residuals kept
-(the default). ``heterogeneous``: a d=64 source merged into a d=128 target of the same family,
+``experts``: two experts fine-tuned from one zoo model on different text (``--austen`` and
+``--kjv``; default: the bundled corpus's ``austen_prideprejudice.txt``, Austen's *Pride and
+Prejudice*, and ``kjv_genesis_to_numbers.txt``, the King James Bible from Genesis to Numbers),
+merged half and half by ``ls_merge`` (autoencoder seeds 0 and 1: the noise floor), by mergekit
+``linear`` and by mergekit ``ties`` (task vectors against the base, density 0.5), each scored
+on both texts' test splits. Latent merges are shown as the paper decodes them
+(``keep_residuals: false``) and with the inputs' reconstruction residuals kept (the default).
+``heterogeneous``: a d=64 source merged into a d=128 target of the same family,
 ``(1-λ)·target + λ·transported source`` in latent space, test loss against λ for autoencoder
 seeds 0 and 1, plain decode and residuals kept; λ = 0 is the target's own encode–decode (plain)
 or the target itself (residuals kept), λ = 1 the transported source alone (optimal transport,
@@ -19,6 +22,9 @@ source's shape: the control that tells knowledge carried over from the source ap
 mere perturbation of the target. ``self-merge``: one model, the average of K posterior samples
 per tensor decoded (plain, and with the model's residuals kept). Every row is a recipe run end
 to end; the autoencoder's training time and throughput come from the runs' reports.
+
+With ``--markdown`` each table, with the autoencoders' training lines below it, is written as
+the block named after the command (``heterogeneous-random`` with ``--random-source``).
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ from pathlib import Path
 
 import torch
 import yaml
+from markdown_blocks import add_markdown_option, publish
 from mergekit.options import MergeOptions
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+from lmc_mergekit.data import DataConfig, bundled_text_files, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.passes.ls_merge import LatentReport
@@ -61,6 +68,13 @@ def latent_recipe(models: list[Path], weights: list[float], args, seed: int, **e
     }
 
 
+def table_and_notes(lines: list[str], notes: list[str]) -> str:
+    """The table (caption first) and, below it, each autoencoder's training line once."""
+    return "\n".join([lines[0], "", *lines[1:]]) + "".join(
+        f"\n\n{line}" for line in dict.fromkeys(notes) if line
+    )
+
+
 def training_line(out: Path) -> str:
     record = LatentReport.read(out / LatentReport.file_name).autoencoders[0].record
     if record["source"] == "cache":
@@ -82,7 +96,7 @@ def experts(args) -> None:
     work = args.work / "experts"
     folders = []
     for name, path in texts.items():
-        folder = work / f"{args.base.name}-{name.lower()}-{args.expert_steps}"
+        folder = work / f"{args.base.name}-{name.lower()}-{path.stem}-{args.expert_steps}"
         if not (folder / "config.json").is_file():
             model = load_fp32(args.base)
             train = load_split(DataConfig(source=str(path)), tokenizer, "train", 2000)
@@ -92,16 +106,18 @@ def experts(args) -> None:
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
         folders.append(folder)
-    print(f"experts: {args.expert_steps} steps of lr 1e-3 from {args.base.name}")
-    print("| model | Austen test | KJV test | mean |")
-    print("|---|---|---|---|")
+    lines = [
+        f"experts: {args.expert_steps} steps of lr 1e-3 from {args.base.name}",
+        "| model | Austen test | KJV test | mean |",
+        "|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
 
     def row(label: str, folder: Path) -> None:
         model = load_fp32(folder)
         losses = [mean_token_loss(model, test).loss for test in tests]
-        print(
-            f"| {label} | {losses[0]:.3f} | {losses[1]:.3f} | {sum(losses) / 2:.3f} |", flush=True
-        )
+        lines.append(f"| {label} | {losses[0]:.3f} | {losses[1]:.3f} | {sum(losses) / 2:.3f} |")
+        print(lines[-1], flush=True)
 
     row("base", args.base)
     for name, folder in zip(texts, folders, strict=True):
@@ -135,16 +151,19 @@ def experts(args) -> None:
             label = "residuals kept" if keep else "plain decode"
             row(f"ls_merge, {label} (autoencoder seed {seed})", out)
             shutil.rmtree(out)
-    print("\n".join(dict.fromkeys(line for line in notes if line)))
+    publish(args, "experts", table_and_notes(lines, notes))
 
 
 def self_merge(args) -> None:
     tokenizer = load_tokenizer([args.base])
     test = load_split(DataConfig(), tokenizer, "test", args.eval)
     original = mean_token_loss(load_fp32(args.base), test).loss
-    print(f"self-merge of {args.base.name} (test {original:.3f})")
-    print("| posterior samples K | plain decode, seed 0 / 1 | residuals kept, seed 0 / 1 |")
-    print("|---|---|---|")
+    lines = [
+        f"self-merge of {args.base.name} (test {original:.3f})",
+        "| posterior samples K | plain decode, seed 0 / 1 | residuals kept, seed 0 / 1 |",
+        "|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     notes = []
     for samples in args.samples:
         cells = []
@@ -165,8 +184,9 @@ def self_merge(args) -> None:
                 losses.append(mean_token_loss(load_fp32(out), test).loss)
                 shutil.rmtree(out)
             cells.append(f"{losses[0]:.3f} / {losses[1]:.3f}")
-        print(f"| {samples} | {cells[0]} | {cells[1]} |", flush=True)
-    print("\n".join(dict.fromkeys(line for line in notes if line)))
+        lines.append(f"| {samples} | {cells[0]} | {cells[1]} |")
+        print(lines[-1], flush=True)
+    publish(args, "self-merge", table_and_notes(lines, notes))
 
 
 def random_twin(folder: Path, out: Path) -> Path:
@@ -189,12 +209,13 @@ def heterogeneous(args) -> None:
         name: mean_token_loss(load_fp32(f), test).loss
         for name, f in (("source", args.source), ("target", args.target))
     }
-    print(
+    lines = [
         f"source {args.source.name} (test {losses['source']:.3f}) into target "
-        f"{args.target.name} (test {losses['target']:.3f})"
-    )
-    print("| λ | plain decode, seed 0 / 1 | spread | residuals kept, seed 0 / 1 | spread |")
-    print("|---|---|---|---|---|")
+        f"{args.target.name} (test {losses['target']:.3f})",
+        "| λ | plain decode, seed 0 / 1 | spread | residuals kept, seed 0 / 1 | spread |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     notes = []
     for lam in args.lambdas:
         row = []
@@ -216,8 +237,10 @@ def heterogeneous(args) -> None:
         cells = [
             f"{row[i]:.3f} / {row[i + 1]:.3f} | {abs(row[i] - row[i + 1]):.3f}" for i in (0, 2)
         ]
-        print(f"| {lam:g} | {cells[0]} | {cells[1]} |", flush=True)
-    print("\n".join(dict.fromkeys(line for line in notes if line)))
+        lines.append(f"| {lam:g} | {cells[0]} | {cells[1]} |")
+        print(lines[-1], flush=True)
+    name = "heterogeneous-random" if args.random_source else "heterogeneous"
+    publish(args, name, table_and_notes(lines, notes))
 
 
 def main() -> None:
@@ -236,12 +259,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500, help="autoencoder training steps")
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--eval", type=int, default=128, help="test sequences")
-    corpus = Path(__file__).resolve().parents[2] / "shared/data/corpus"
-    parser.add_argument("--austen", type=Path, default=corpus / "austen_emma.txt")
-    parser.add_argument("--kjv", type=Path, default=corpus / "kjv.txt")
+    bundled = {path.name: path for path in bundled_text_files()}
+    parser.add_argument(
+        "--austen",
+        type=Path,
+        default=bundled["austen_prideprejudice.txt"],
+        help="the Austen expert's text (default: the bundled Pride and Prejudice)",
+    )
+    parser.add_argument(
+        "--kjv",
+        type=Path,
+        default=bundled["kjv_genesis_to_numbers.txt"],
+        help="the KJV expert's text (default: the bundled KJV, Genesis to Numbers)",
+    )
     parser.add_argument("--expert-steps", type=int, default=300)
     parser.add_argument("--work", type=Path, default=default_cache_dir() / "bench-ls-merge")
     parser.add_argument("--cache", type=Path, default=default_cache_dir())
+    add_markdown_option(parser)
     args = parser.parse_args()
     commands = {"experts": experts, "heterogeneous": heterogeneous, "self-merge": self_merge}
     commands[args.command](args)

@@ -38,6 +38,11 @@ def add_markdown_option(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write the table between its markers in these Markdown files (docs/results.md)",
     )
+    parser.add_argument(
+        "--block",
+        default=None,
+        help="the name of the table's block, where runs with other options keep their own",
+    )
 
 
 def machine() -> str:
@@ -62,8 +67,9 @@ def machine() -> str:
     return words
 
 
-def commit() -> str:
-    """The checked-out commit, marked ``+changes`` when the tree differs from it."""
+def _commit() -> str:
+    """The checked-out commit, marked ``+changes`` when code differs from it (the Markdown
+    files the tables are written into do not count)."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -71,7 +77,12 @@ def commit() -> str:
         ).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!*.md")
+    return head + ("+changes" if changed else "")
+
+
+#: Read when the benchmark starts: the code that runs is the code checked out then.
+COMMIT = _commit()
 
 
 def command(argv: list[str] | None = None) -> str:
@@ -93,7 +104,7 @@ def command(argv: list[str] | None = None) -> str:
 
 def provenance(argv: list[str] | None = None) -> str:
     """One line: the command, the machine, the date and the commit."""
-    return f"Written by `{command(argv)}` on {machine()}, {date.today()}, commit {commit()}."
+    return f"Written by `{command(argv)}` on {machine()}, {date.today()}, commit {COMMIT}."
 
 
 def block_name(script: str, table: str) -> tuple[str, str]:
@@ -118,7 +129,8 @@ def write_block(files: list[Path], table: str, body: str, script: str | None = N
 
 
 def publish(args: argparse.Namespace, table: str, body: str) -> None:
-    """Print a table and, with ``--markdown``, write it into the documentation."""
-    print("\n" + body.strip())
+    """Print a table and, with ``--markdown``, write it into the documentation as the block
+    ``table`` (or the ``--block`` given)."""
+    print("\n" + body.strip(), flush=True)
     if getattr(args, "markdown", None):
-        write_block(args.markdown, table, body)
+        write_block(args.markdown, getattr(args, "block", None) or table, body)

@@ -1,8 +1,8 @@
 """Time and whole-command memory of every pass on checkpoints in real models' configurations.
 
-    python benchmarks/real_configs.py [--configs llama-3.2-1b qwen3-0.6b gemma-2-2b olmo-2-1b
-        gemma-3-4b] [--passes lmc_dm learn subclone ls_merge] [--layers N] [--work DIR]
-        [--rounds N] [--eval-sequences N] [--points N]
+    python benchmarks/real_configs.py table [--configs llama-3.2-1b qwen3-0.6b gemma-2-2b
+        olmo-2-1b gemma-3-4b] [--passes lmc_dm learn subclone ls_merge] [--layers N]
+        [--work DIR] [--rounds N] [--eval-sequences N] [--points N] [--markdown docs/results.md]
 
 Builds (once, under ``--work``, in a child process) two random-initialised bf16 checkpoints per
 configuration, in the exact configuration of the published model (transformers' config
@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from markdown_blocks import add_markdown_option, publish
 from scale import gib, run_measured
 
 HERE = Path(__file__).resolve().parent
@@ -510,6 +511,7 @@ def main() -> None:
     )
     table.add_argument("--ae-steps", type=int, default=20, help="autoencoder training steps")
     table.add_argument("--keep", action="store_true", help="keep each run's folder")
+    add_markdown_option(table)
     builder = sub.add_parser("build-worker")
     builder.add_argument("name", choices=list(CONFIGS))
     builder.add_argument("work", type=Path)
@@ -527,12 +529,12 @@ def main() -> None:
         return
     args.work = args.work.absolute()
     args.work.mkdir(parents=True, exist_ok=True)
-    print(
+    lines = [
         "| configuration | layers built | parameters | one model fp32 | pass | seconds | "
-        "whole command peak RSS | ratio | output dtype | output embeddings | detail |\n"
+        "whole command peak RSS | ratio | output dtype | output embeddings | detail |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
-        flush=True,
-    )
+    ]
+    print("\n".join(lines), flush=True)
     for name in args.configs:
         folders = build_pair(name, args)
         params = parameter_count(folders[0])
@@ -547,14 +549,16 @@ def main() -> None:
             try:
                 row = measure(kind, folders, name, args)
             except SystemExit as failure:  # one failed pass leaves the rest of the table
-                print(f"{head}| {kind} | failed: {str(failure).strip().splitlines()[-1]} |")
+                lines.append(f"{head}| {kind} | failed: {str(failure).strip().splitlines()[-1]} |")
+                print(lines[-1], flush=True)
                 continue
-            print(
+            lines.append(
                 f"{head}| {kind} | {row['seconds']:.0f} s | {gib(row['rss'])} | "
                 f"**{row['rss'] / fp32:.2f}×** | {row['dtype']} | {row['tied']} | "
-                f"{row.get('detail', '')} |",
-                flush=True,
+                f"{row.get('detail', '')} |"
             )
+            print(lines[-1], flush=True)
+    publish(args, "table", "\n".join(lines))
 
 
 if __name__ == "__main__":

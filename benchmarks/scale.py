@@ -1,7 +1,8 @@
 """Time and peak memory of every pass at the shapes users merge, as ratios to one model.
 
-    python benchmarks/scale.py [--shapes d256 160m 410m 1b llama-gqa]
+    python benchmarks/scale.py table [--shapes d256 160m 410m 1b llama-gqa]
         [--passes lmc_dm activations subclone ls_merge learn] [--work DIR] [--rounds N]
+        [--cuda] [--markdown docs/results.md]
 
 Builds (once, under ``--work``) a pair of random-initialised checkpoints per shape: GPT-NeoX of
 Pythia shapes (d=256 ×4 layers, 160M, 410M, 1B; vocabulary 4096, the zoo's tokenizer) and one
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from markdown_blocks import add_markdown_option, publish
 
 SHAPES: dict[str, tuple[str, dict]] = {
     "d256": ("gpt_neox", {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8}),
@@ -277,6 +279,7 @@ def main() -> None:
     table.add_argument(
         "--rounds", type=int, help="most weight-matching rounds (lmc_dm; default: the tool's)"
     )
+    add_markdown_option(table)
     builder = sub.add_parser("build-worker")
     builder.add_argument("shape", choices=list(SHAPES))
     builder.add_argument("work", type=Path)
@@ -309,12 +312,13 @@ def main() -> None:
         build_worker(args.shape, args.work)
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    print(
+    lines = [
         "| shape | parameters | one model fp32 | pass | seconds: whole (pass) | peak RSS of "
         "the pass | ratio | above the libraries' own | whole command (with mergekit's merge) "
-        "| detail |\n|---|---|---|---|---|---|---|---|---|---|",
-        flush=True,
-    )
+        "| detail |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     for shape in args.shapes:
         a, b, params = build_pair(shape, args.work)
         fp32 = params * 4
@@ -323,13 +327,13 @@ def main() -> None:
             if kind == "learn":
                 steps = measure_learn(a, b, args)
                 (train, train_rss), (align, align_rss) = steps["train"], steps["align"]
-                print(
+                lines.append(
                     f"{head}| learned step (batch {args.batch}×{SEQ_LEN}) | {align:.2f} s "
                     f"({align / train:.1f}× a plain step: {train:.2f} s) | {gib(align_rss)} | "
                     f"**{align_rss / fp32:.2f}×** | | plain step: {gib(train_rss)} "
-                    f"({train_rss / fp32:.2f}×) | |",
-                    flush=True,
+                    f"({train_rss / fp32:.2f}×) | |"
                 )
+                print(lines[-1], flush=True)
                 continue
             row = measure_pass(kind, a, b, fp32, args.work, args)
             detail = ""
@@ -340,13 +344,14 @@ def main() -> None:
                     f"{row['rounds']} rounds, {row['per_round']:.1f} s each; write + "
                     f"self-check {row['write_check']:.1f} s"
                 )
-            print(
+            lines.append(
                 f"{head}| {kind} | {row['seconds']:.0f} s ({row['pass_seconds']:.0f} s) | "
                 f"{gib(row['pass_rss'])} | **{row['pass_ratio']:.2f}×** | "
                 f"{row['work_ratio']:.2f}× ({gib(row['base_rss'])} before any work) | "
-                f"{gib(row['rss'])} ({row['ratio']:.2f}×) | {detail} |",
-                flush=True,
+                f"{gib(row['rss'])} ({row['ratio']:.2f}×) | {detail} |"
             )
+            print(lines[-1], flush=True)
+    publish(args, "table", "\n".join(lines))
 
 
 if __name__ == "__main__":

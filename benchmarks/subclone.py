@@ -1,8 +1,9 @@
 """``subclone_compensate`` on zoo donors: the ablation table and the cost of a conversion.
 
     python benchmarks/subclone.py table [--zoo DIR] [--arch gpt_neox llama] [--axes ...]
-                                        [--steps 150] [--lr 2e-3]
+                                        [--steps 150] [--lr 2e-3] [--markdown docs/results.md]
     python benchmarks/subclone.py cost  [--zoo DIR] [--arch gpt_neox llama]
+                                        [--markdown docs/results.md]
 
 The donors are zoo models of d=256 (``--donor-hidden``), 4 layers, heads of 32 dims, trained
 1000 steps (``--donor-steps``; built when missing: about 10 minutes each on two CPU cores).
@@ -15,6 +16,9 @@ trained alike (from scratch); the compensated arm of the first axis is trained a
 with another data order, for the run-to-run noise. ``cost``: the
 time and peak memory of one compensated conversion against one forward pass of the donor over
 the calibration set, each in its own process.
+
+With ``--markdown``, ``table`` writes one block per architecture, ``table-<arch>`` (``--block``
+replaces ``table``, the architecture still appended), and ``cost`` the block ``cost``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from markdown_blocks import add_markdown_option, publish
 from transformers import AutoModelForCausalLM
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
@@ -132,7 +137,7 @@ def table(args) -> None:
                 "rotary": plan.to_dict(),
                 "arms": rows,
             }
-    print_table(results, args)
+    publish_tables(results, args)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
@@ -159,26 +164,33 @@ def train_and_measure(model, train, test, args, seed: int) -> dict[int, float]:
     return losses
 
 
-def print_table(results: dict, args) -> None:
+def publish_tables(results: dict, args) -> None:
+    """One table per architecture, each its own block ``table-<arch>``."""
     for arch, per_axis in results.items():
         axes = [axis for axis in per_axis if axis != "donor"]
-        print(
-            f"\n{arch} (donor test loss {per_axis['donor']:.3f}): zero-shot / after "
-            f"{args.early} / after {args.steps} steps"
-        )
-        print("| arm | " + " | ".join(axes) + " |")
-        print("|---|" + "---|" * len(axes))
+        lines = [
+            f"{arch} (donor test loss {per_axis['donor']:.3f}): zero-shot / after "
+            f"{args.early} / after {args.steps} steps",
+            "",
+            "| arm | " + " | ".join(axes) + " |",
+            "|---|" + "---|" * len(axes),
+        ]
         for arm in [SCRATCH, *ARMS]:
             cells = []
             for a in axes:
                 row = per_axis[a]["arms"][arm]
                 cells.append(f"{row[0]:.2f} / {row[args.early]:.3f} / {row[args.steps]:.3f}")
-            print(f"| {arm} | " + " | ".join(cells) + " |")
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        block = f"{args.block or 'table'}-{arch}"
+        publish(argparse.Namespace(markdown=args.markdown), block, "\n".join(lines))
 
 
 def cost(args) -> None:
-    print("| donor | calibration | forward: s / peak MiB | conversion: s / peak MiB | ratio |")
-    print("|---|---|---|---|---|")
+    lines = [
+        "| donor | calibration | forward: s / peak MiB | conversion: s / peak MiB | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     for arch in args.arch:
         donor_dir = build_zoo_model(args.zoo, arch, **donor_settings(args))
         measured = {}
@@ -191,12 +203,13 @@ def cost(args) -> None:
             )
             measured[what] = json.loads(out.stdout.strip().splitlines()[-1])
         f, c = measured["forward"], measured["convert"]
-        print(
+        lines.append(
             f"| {arch} | {CALIBRATION} × 128 | {f['seconds']:.2f} / {f['peak_mib']:.0f} | "
             f"{c['seconds']:.2f} / {c['peak_mib']:.0f} | {c['seconds'] / f['seconds']:.2f}× time, "
-            f"{c['peak_mib'] / f['peak_mib']:.2f}× memory |",
-            flush=True,
+            f"{c['peak_mib'] / f['peak_mib']:.2f}× memory |"
         )
+        print(lines[-1], flush=True)
+    publish(args, "cost", "\n".join(lines))
 
 
 def cost_worker(donor_dir: str, what: str) -> None:
@@ -234,6 +247,7 @@ def main() -> None:
         p.add_argument("--arch", nargs="+", default=["gpt_neox", "llama"])
         p.add_argument("--donor-hidden", type=int, default=256, help="donor width (zoo)")
         p.add_argument("--donor-steps", type=int, default=1000, help="donor training steps")
+        add_markdown_option(p)
         if name == "table":
             p.add_argument("--axes", nargs="+", default=list(AXES), choices=list(AXES))
             p.add_argument("--steps", type=int, default=150, help="continued-training steps")

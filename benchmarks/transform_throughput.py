@@ -1,6 +1,7 @@
 """Throughput and peak memory of moving a checkpoint by a random symmetry (``scramble``).
 
     python benchmarks/transform_throughput.py [--hidden 512] [--layers 8]
+        [--markdown docs/results.md]
 
 Builds a Llama-shaped checkpoint in a temporary folder, then times the three stages of
 ``transform_checkpoint``: reading + transforming + writing shard by shard, and the self-check.
@@ -18,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from markdown_blocks import add_markdown_option, publish
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lmc_mergekit.evaluation.selfcheck import check_transformed
@@ -33,6 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    add_markdown_option(parser)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
     config = LlamaConfig(
@@ -66,15 +69,14 @@ def main() -> None:
     check_s = time.perf_counter() - start
 
     size_mib = params * 4 / 1024**2
-    print(
+    table = (
         "| params | fp32 size | transform+write | self-check | logits error "
-        "| peak RSS before | after write | after check |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    print(
+        "| peak RSS before | after write | after check |\n"
+        "|---|---|---|---|---|---|---|---|\n"
         f"| {params / 1e6:.1f}M | {size_mib:.0f} MiB | {write_s:.1f} s | {check_s:.1f} s | "
         f"{error:.1e} | {base:.0f} MiB | {write_peak:.0f} MiB | {peak_mib():.0f} MiB |"
     )
+    publish(args, "table", table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Loss barrier between two zoo models of different seeds, raw and after weight matching.
 
     python benchmarks/weight_matching_barrier.py [--zoo DIR] [--hidden 128] [--steps 1500]
-        [--arch gpt_neox llama]
+        [--arch gpt_neox llama] [--markdown docs/results.md]
 
 Builds (or reuses) the zoo pairs (seeds 0 and 1), runs an ``lmc_dm`` recipe with ``steps: 0``
 through the real pipeline for each, and prints one table row per pair from its
@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from markdown_blocks import add_markdown_option, publish
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.passes.lmc_dm import AlignmentReport
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1500)
+    add_markdown_option(parser)
     args = parser.parse_args()
     rows = []
     work = Path(tempfile.mkdtemp(prefix="wm-bench-"))
@@ -72,10 +74,9 @@ def main() -> None:
         "matching (iters)",
         "merged loss",
     )
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    publish(args, "table", "\n".join(lines))
 
 
 if __name__ == "__main__":

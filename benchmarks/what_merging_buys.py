@@ -2,7 +2,7 @@
 
     python benchmarks/what_merging_buys.py --kjv FILE... --austen FILE... [--zoo DIR]
         [--arch gpt_neox llama qwen3 gemma2] [--steps 200] [--eval 256]
-        [--hidden 128] [--zoo-steps 1500]
+        [--hidden 128] [--zoo-steps 1500] [--markdown docs/results.md]
 
 Per architecture, two zoo models (d=128, 4 layers, 1500 steps, one tokenizer trained on both
 texts) from different seeds on different text: seed 0 on the ``--kjv`` files, seed 1 on the
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
+from markdown_blocks import add_markdown_option, publish
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=256, help="test sequences per text")
     parser.add_argument("--hidden", type=int, default=128, help="zoo models' width")
     parser.add_argument("--zoo-steps", type=int, default=1500, help="zoo models' training steps")
+    add_markdown_option(parser)
     args = parser.parse_args()
     texts = gather_texts(args.zoo, {"kjv": args.kjv, "austen": args.austen})
     work = Path(tempfile.mkdtemp(prefix="merging-buys-"))
@@ -185,11 +187,16 @@ def main() -> None:
             rows.setdefault(label, {})[arch] = f"{kjv:.3f} / {austen:.3f} / {mark}{both:.3f}{mark}"
         took = ", ".join(f"{label}: {t:.0f} s" for label, t in seconds.items())
         print(f"{arch}: done ({took})", flush=True)
-    print("\n| test loss: KJV / Austen / both | " + " | ".join(args.arch) + " |")
-    print("|---|" + "---|" * len(args.arch))
+    lines = [
+        "| test loss: KJV / Austen / both | " + " | ".join(args.arch) + " |",
+        "|---|" + "---|" * len(args.arch),
+    ]
     for label, cells in rows.items():
-        print(f"| {label} | " + " | ".join(cells.get(arch, "–") for arch in args.arch) + " |")
-    print("\n(bold: better on both texts together than either endpoint)")
+        lines.append(
+            f"| {label} | " + " | ".join(cells.get(arch, "–") for arch in args.arch) + " |"
+        )
+    lines += ["", "(bold: better on both texts together than either endpoint)"]
+    publish(args, "table", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -78,6 +78,13 @@ def evaluation_options(fn):
             show_default=True,
             help="Sequences per forward pass",
         ),
+        click.option(
+            "--split",
+            type=click.Choice(["train", "validation", "test"]),
+            default="test",
+            show_default=True,
+            help="Which split of the data to evaluate on",
+        ),
         click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N]"),
     ]
     for option in reversed(options):
@@ -272,13 +279,6 @@ def zoo_command(
 @click.argument("model")
 @evaluation_options
 @click.option(
-    "--split",
-    type=click.Choice(["train", "validation", "test"]),
-    default="test",
-    show_default=True,
-    help="Which split of the data to evaluate on",
-)
-@click.option(
     "--json",
     "json_file",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -355,6 +355,7 @@ def barrier_command(
     data: str | None,
     field: str,
     seq_len: int,
+    split: str,
     points: int,
     max_sequences: int,
     batch_size: int,
@@ -376,7 +377,7 @@ def barrier_command(
 
     a, b = model_dir(model_a), model_dir(model_b)
     config = DataConfig(source=data, field=field, seq_len=seq_len)
-    sequences = load_split(config, load_tokenizer([a, b]), "test", max_sequences)
+    sequences = load_split(config, load_tokenizer([a, b]), split, max_sequences)
     path = interpolation_losses(
         a,
         b,
@@ -386,17 +387,18 @@ def barrier_command(
         device=resolve_device(device),
         progress=True,
     )
-    curves = {"test loss": path}
+    curves = {f"{split} loss": path}
     click.echo(format_table(curves))
     click.echo(
         f"barrier {path.barrier:.4f} nats (endpoints {path.losses[0]:.4f} and "
-        f"{path.losses[-1]:.4f}; {path.tokens} test tokens of {config.describe()})"
+        f"{path.losses[-1]:.4f}; {path.tokens} {split} tokens of {config.describe()})"
     )
     if json_path is not None:
         extra = {
             "model_a": str(a),
             "model_b": str(b),
             "data": config.describe(),
+            "split": split,
             "seq_len": seq_len,
         }
         write_path_json(json_path, curves, extra)

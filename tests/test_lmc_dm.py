@@ -103,6 +103,20 @@ def test_barrier_command_matches_the_report(weight_matched, trained_pair, tmp_pa
     assert (tmp_path / "path.png").stat().st_size > 1000
 
 
+def test_barrier_reads_the_split_it_is_given(trained_pair, tmp_path):
+    a, b = trained_pair
+    common = ["--seq-len", "64", "--max-sequences", "16", "--split", "validation"]
+    args = ["barrier", str(a), str(b), *common, "--points", "3", "--json", str(tmp_path / "p.json")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    curve = json.loads((tmp_path / "p.json").read_text())["curves"]["validation loss"]
+    for model, loss in ((a, curve["losses"][0]), (b, curve["losses"][-1])):
+        args = ["eval", str(model), *common, "--json", str(tmp_path / "e.json")]
+        assert CliRunner().invoke(main, args).exit_code == 0
+        measured = json.loads((tmp_path / "e.json").read_text())["loss"]
+        assert measured == pytest.approx(loss, abs=1e-5)
+
+
 def test_barrier_refuses_models_of_different_shapes(trained_pair, model_dirs):
     result = CliRunner().invoke(main, ["barrier", str(trained_pair[0]), str(model_dirs["llama"])])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).parents[1] / "lmc_mergekit"
 LAYERS = [
     {"errors", "runtime"},
     {"data", "models"},
-    {"evaluation", "symmetry", "latent", "subclone", "zoo"},
+    {"evaluation", "symmetry", "latent", "subclone", "zoo", "repair"},
     {"matching", "transform_checkpoint"},
     {"passes"},
     {"plugin", "autoload", "cli"},

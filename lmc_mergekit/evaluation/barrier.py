@@ -21,6 +21,7 @@ from lmc_mergekit.evaluation.selfcheck import load_fp32, runs_blockwise
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.checkpoint import CheckpointReader, row_slices
+from lmc_mergekit.repair import RepairedView, repair_statistics
 from lmc_mergekit.runtime.records import Record
 
 DEFAULT_POINTS = 11
@@ -75,13 +76,15 @@ def interpolation_losses(
     batch_size: int = 16,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    repair_on: torch.Tensor | None = None,
 ) -> PathLoss:
     """``L(λ)`` on the grid. Where the family runs block by block, each mix is made part by
     part as it runs (:mod:`.blockwise`: one block of each endpoint and a group's residual
     stream in memory); otherwise on one float32 model object whose weights are set in place,
     for each λ, to ``lerp(A, B, λ)`` read from the two checkpoints a slice of rows at a time.
     Where one endpoint ties its LM head to its embeddings and the other does not, the path
-    runs untied (the tied one's head is its embedding)."""
+    runs untied (the tied one's head is its embedding). With ``repair_on`` (calibration
+    sequences), each mix has its statistics repaired on them first (:mod:`lmc_mergekit.repair`)."""
     grid = lambda_grid(points)
     views = [open_model(Path(model_a)), open_model(Path(model_b))]
     _check_same_model(*views)
@@ -90,9 +93,18 @@ def interpolation_losses(
         runner = BlockRunner(views[0].folder, views[0].adapter, views[0].spec, device)
         losses = []
         for lam in tqdm(grid, desc="loss along the path", disable=not progress, leave=False):
-            result = blockwise_loss(MixedView(*views, lam), runner, sequences)
+            mix = MixedView(*views, lam)
+            if repair_on is not None and 0 < lam < 1:  # an endpoint needs no repair
+                scales = repair_statistics(views, (1 - lam, lam), mix, runner, repair_on)
+                mix = RepairedView(mix, scales)
+            result = blockwise_loss(mix, runner, sequences)
             losses.append(result.loss)
         return PathLoss(lambdas=grid, losses=tuple(losses), tokens=result.tokens)
+    if repair_on is not None:
+        raise LmcError(
+            f"a statistics repair runs block by block, which {views[0].spec.architecture} "
+            "checkpoints of this kind cannot; set repair: false"
+        )
     a, b, untied = endpoint_readers(*views)
     model = load_fp32(Path(model_a), untie=untied).to(device)
     ends = _Endpoints(model, a, b)

@@ -47,6 +47,10 @@ class Section(BaseModel):
         plugin's own (None: the plugin's)."""
         return None
 
+    def needs_plain_weights(self) -> bool:
+        """Whether these settings read each model's weight as one number (refused otherwise)."""
+        return False
+
     def dependencies(self) -> list[Path]:
         """Folders besides the recipe's models whose files the pre-merge pass reads (part of
         its cache key)."""
@@ -184,12 +188,31 @@ class Compared:
 
 
 @dataclass(frozen=True)
+class FinishContext(StageContext):
+    """What a method's finishing step gets once mergekit has written the merged model (before
+    the measurement): the prepared checkpoint of each input, the pass's record, the merged
+    model's folder (still staged: the step may rewrite its weights) and each input's weight
+    (normalised; None where the recipe weighs tensors by filters or gradients)."""
+
+    prepared: tuple[Path, ...]
+    preparation: Record
+    merged: Path
+    weights: tuple[float, ...] | None
+
+
+def no_finish(ctx: FinishContext) -> Record | None:
+    """The finishing step of a method that has none."""
+    return None
+
+
+@dataclass(frozen=True)
 class MeasureContext(StageContext):
     """What a measurement gets besides, once mergekit has written the merged model: the
     prepared checkpoint of each input and the pass's record, the merged model, the comparison
     merges it declared, the test split (None when the recipe does not evaluate; tokenised for
     the merged model), a scratch folder (removed afterwards), the folder for files that go next
-    to the merged model, and the test split as any one checkpoint tokenises it."""
+    to the merged model, the test split as any one checkpoint tokenises it, and what the
+    finishing step did to the merged model."""
 
     prepared: tuple[Path, ...]
     preparation: Record
@@ -200,6 +223,8 @@ class MeasureContext(StageContext):
     files: Path
     #: The test split tokenised by the tokenizer of the checkpoint in a folder.
     split_for: Callable[[Path], Split]
+    #: The finishing step's record (None where it has none or did nothing).
+    finished: Record | None = None
 
 
 class Report(Record):

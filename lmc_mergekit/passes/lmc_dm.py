@@ -29,6 +29,7 @@ from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import stored_dtype
 from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.passes.base import (
+    FinishContext,
     MeasureContext,
     PassContext,
     Report,
@@ -37,6 +38,7 @@ from lmc_mergekit.passes.base import (
 )
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
+from lmc_mergekit.repair import repair_checkpoint
 from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
@@ -51,7 +53,10 @@ ONE_BASIN_LINE = (
     "of any of them, as for a base model and its fine-tunes): they are merged as they are, as "
     "mergekit's linear merge would merge them, and nothing is learned."
 )
-LABELS = {"raw": "raw", "learned": "learned matching"}
+LABELS = {"raw": "raw", "learned": "learned matching", "repaired": "repaired"}
+#: Families whose merges are repaired unless a recipe says otherwise: where the repair lowered
+#: the barrier of the aligned path on the pairs measured (docs/results.md).
+REPAIRED_BY_DEFAULT: frozenset[str] = frozenset()
 
 
 def shared_text(inputs: Sequence[Path]) -> bool:
@@ -93,7 +98,7 @@ TEXT_KEYS = ("calibration_sequences", "data", "field", "seq_len")
 class AlignmentSettings(TextSettings):
     """``alignment:`` for ``lmc_dm``."""
 
-    merge_only: ClassVar[tuple[str, ...]] = ("combine",)
+    merge_only: ClassVar[tuple[str, ...]] = ("combine", "repair", "repair_sequences")
     measure_only: ClassVar[tuple[str, ...]] = (*TextSettings.measure_only, "points")
 
     matching: Literal["auto", "none", "weights", "activations"] = Field(
@@ -146,6 +151,14 @@ class AlignmentSettings(TextSettings):
         "weighted average)",
     )
     points: int = Field(11, ge=3, description="λ grid points along the path")
+    repair: bool | None = Field(
+        None,
+        description="rescale the merged model's units to the inputs' interpolated statistics "
+        "on calibration text (REPAIR); default: per family, as measured",
+    )
+    repair_sequences: int = Field(
+        64, ge=1, description="train-split sequences the statistics repair reads"
+    )
     tied_embeddings: Literal["untie", "keep"] = Field(
         "untie",
         description="models whose head is tied to their embeddings: untie (any residual "
@@ -197,6 +210,16 @@ class AlignmentSettings(TextSettings):
 
     def combining_method(self) -> str | None:
         return self.combine
+
+    def needs_plain_weights(self) -> bool:
+        return self.repair is True
+
+    def resolved_repair(self, spec: ModelSpec) -> bool:
+        """Whether the merged model of inputs of ``spec`` is repaired (``repair`` unset: the
+        family's measured default)."""
+        if self.repair is not None:
+            return self.repair
+        return spec.architecture in REPAIRED_BY_DEFAULT
 
     def check_inputs(
         self, inputs: list[Path], base_model: Path | None, trust_remote_code: bool = False
@@ -312,24 +335,46 @@ class AlignmentPreparation(Record):
     one_basin: bool = False
 
 
+class RepairRecord(Record):
+    """What the statistics repair did to the merged model: the calibration it read, how long it
+    took, and per kind of unit how many were scaled and the spread of the scales."""
+
+    data: SplitRecord
+    weights: list[float]
+    seconds: float
+    scales: dict
+
+    def card_line(self) -> str:
+        """One sentence for the model card."""
+        units = sum(kind["units"] for kind in self.scales.values())
+        return (
+            f"The merged model's statistics were repaired: {units:,} units (value dimensions, "
+            "MLP units and post-norm channels) rescaled so that their root mean square on "
+            f"{self.data.sequences} calibration sequences is the inputs' weighted mean (REPAIR, "
+            "by scales only: the architecture is unchanged)."
+        )
+
+
 class PairPaths(Record):
     """The loss along the path between the first model (``a``) and another (``b``): raw,
     after weight matching and after learned matching (where the recipe did each)."""
 
-    omit_if_none: ClassVar[tuple[str, ...]] = ("matched", "learned")
+    omit_if_none: ClassVar[tuple[str, ...]] = ("matched", "learned", "repaired")
 
     a: str
     b: str
     raw: PathLoss
     matched: PathLoss | None = None
     learned: PathLoss | None = None
+    #: The aligned path (learned, else matched) with each mix's statistics repaired.
+    repaired: PathLoss | None = None
 
 
 class AlignmentReport(Report):
     """``lmc_report.json``."""
 
     file_name: ClassVar[str] = "lmc_report.json"
-    omit_if_none: ClassVar[tuple[str, ...]] = ("merged", "tied_embeddings")
+    omit_if_none: ClassVar[tuple[str, ...]] = ("merged", "tied_embeddings", "repair")
 
     method: str = "lmc_dm"
     settings: AlignmentSettings
@@ -342,6 +387,7 @@ class AlignmentReport(Report):
     merged: MergedLoss | None = None
     tied_embeddings: TieRecord | None = None
     one_basin: bool = False
+    repair: RepairRecord | None = None
 
     def card_section(self) -> str:
         """Markdown on the tie of tied inputs and on inputs that already sat in one basin, and
@@ -349,6 +395,8 @@ class AlignmentReport(Report):
         tie = "" if self.tied_embeddings is None else self.tied_embeddings.card_line() + "\n"
         if self.one_basin:
             tie += ONE_BASIN_LINE + "\n"
+        if self.repair is not None:
+            tie += self.repair.card_line() + "\n"
         if not self.settings.evaluate:
             return tie
         lines = [
@@ -360,17 +408,16 @@ class AlignmentReport(Report):
         ]
         if note := self.data.tokenizer_note():
             lines.append(note + "\n")
+        repaired = any(pair.repaired is not None for pair in self.pairs)
         lines += [
             f"| models | endpoint losses | raw | {path_label('matched', self.matching)} | "
-            "learned matching |",
-            "|---|---|---|---|---|",
+            "learned matching |" + (" repaired |" if repaired else ""),
+            "|---|---|---|---|---|" + ("---|" if repaired else ""),
         ]
         for pair in self.pairs:
             ends = ", ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
-            cells = [
-                "–" if path is None else f"{path.barrier:.3f}"
-                for path in (pair.raw, pair.matched, pair.learned)
-            ]
+            paths = [pair.raw, pair.matched, pair.learned] + ([pair.repaired] if repaired else [])
+            cells = ["–" if path is None else f"{path.barrier:.3f}" for path in paths]
             lines.append(
                 f"| `{Path(pair.a).name}` – `{Path(pair.b).name}` | {ends} | "
                 + " | ".join(cells)
@@ -471,6 +518,40 @@ def _tie_record(sources: Sequence[ModelSpec], written: ModelSpec, folder: Path) 
     )
 
 
+def finish(ctx: FinishContext) -> RepairRecord | None:
+    """The statistics repair of the merged model, where the recipe (or the family's default)
+    asks for it; None where it does not, or where matching left the inputs as they were."""
+    settings: AlignmentSettings = ctx.settings
+    preparation: AlignmentPreparation = ctx.preparation
+    spec = open_model(ctx.merged, ctx.options.trust_remote_code).spec
+    if not settings.resolved_repair(spec) or preparation.one_basin:
+        return None
+    if ctx.weights is None:  # only a default asks: an explicit repair was refused up front
+        if ctx.progress:
+            tqdm.write("no statistics repair: the recipe's weights are not one number per model")
+        return None
+    started = time.perf_counter()
+    calibration = load_recipe_split(
+        ctx.inputs, settings, "train", settings.repair_sequences, "set repair: false"
+    )
+    repair = repair_checkpoint(
+        ctx.merged,
+        ctx.prepared,
+        ctx.weights,
+        calibration.sequences,
+        pass_device(ctx.options),
+        min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
+        ctx.options.trust_remote_code,
+        ctx.progress,
+    )
+    return RepairRecord(
+        data=calibration.record,
+        weights=list(ctx.weights),
+        seconds=round(time.perf_counter() - started, 3),
+        scales=repair.summary(),
+    )
+
+
 def measure(ctx: MeasureContext) -> AlignmentReport:
     """The paths, the merged model's loss and the plot."""
     settings: AlignmentSettings = ctx.settings
@@ -485,6 +566,7 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
         seconds=dict(preparation.seconds),
         tied_embeddings=preparation.tied_embeddings,
         one_basin=preparation.one_basin,
+        repair=ctx.finished,
     )
     if ctx.test is None:
         return report
@@ -496,6 +578,12 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
             folders["learned"] = ctx.prepared
         else:
             folders["matched"] = ctx.prepared
+    repair_on = None
+    if ctx.finished is not None:  # the merge was repaired: so is the path it comes from
+        folders["repaired"] = folders.get("learned", folders.get("matched", ctx.inputs))
+        repair_on = load_recipe_split(
+            ctx.inputs, settings, "train", settings.repair_sequences
+        ).sequences
     curves = {}
     for index in range(1, len(ctx.inputs)):
         paths = {}
@@ -507,6 +595,7 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
                 points=settings.points,
                 device=pass_device(ctx.options),
                 progress=ctx.progress,
+                repair_on=repair_on if kind == "repaired" else None,
             )
             label = path_label(kind, preparation.matching)
             curves[label if len(ctx.inputs) == 2 else f"{label}, 1→{index + 1}"] = paths[kind]

@@ -35,6 +35,7 @@ class DemoResult:
                 (pair.raw, "before alignment"),
                 (pair.matched, "after " + path_label("matched", self.report.matching)),
                 (pair.learned, "after learned matching"),
+                (pair.repaired, "after repair"),
             )
             if path is not None
         ]

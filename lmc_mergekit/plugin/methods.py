@@ -7,7 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmc_mergekit.passes import lmc_dm, ls_merge, subclone
-from lmc_mergekit.passes.base import Comparison, MeasureContext, PassContext, Report, Section
+from lmc_mergekit.passes.base import (
+    Comparison,
+    FinishContext,
+    MeasureContext,
+    PassContext,
+    Report,
+    Section,
+    no_finish,
+)
 from lmc_mergekit.plugin.merge_methods import LatentMerge, PreparedInputMerge
 from lmc_mergekit.runtime.records import Record
 
@@ -20,9 +28,10 @@ def _no_comparisons(settings: Section, preparation: Record) -> list[Comparison]:
 class PluginMethod:
     """One plugin method: its mergekit name, card name and reference; its recipe section and
     that section's settings; the pre-merge pass (``prepare``, returning a ``preparation``
-    record); the measurement (returning a ``report``) and the comparison merges it needs; the
-    mergekit method that combines the prepared inputs; and the card's sentence on how each
-    prepared checkpoint was checked."""
+    record); the finishing step on the merged model (before it is measured); the measurement
+    (returning a ``report``) and the comparison merges it needs; the mergekit method that
+    combines the prepared inputs; and the card's sentence on how each prepared checkpoint was
+    checked."""
 
     name: str
     pretty_name: str
@@ -35,6 +44,7 @@ class PluginMethod:
     report: type[Report]
     merge: type[PreparedInputMerge] = PreparedInputMerge
     comparisons: Callable[[Section, Record], list[Comparison]] = _no_comparisons
+    finish: Callable[[FinishContext], Record | None] = no_finish
     checked: str = "Every prepared checkpoint was checked to reproduce its source's logits."
 
     def mergekit_method(self) -> PreparedInputMerge:
@@ -53,6 +63,7 @@ METHODS: tuple[PluginMethod, ...] = (
         preparation=lmc_dm.AlignmentPreparation,
         measure=lmc_dm.measure,
         report=lmc_dm.AlignmentReport,
+        finish=lmc_dm.finish,
     ),
     PluginMethod(
         name="subclone_compensate",

@@ -26,7 +26,14 @@ from mergekit.options import MergeOptions
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import first_non_finite, model_dir
-from lmc_mergekit.passes.base import Compared, Comparison, MeasureContext, PassContext, Section
+from lmc_mergekit.passes.base import (
+    Compared,
+    Comparison,
+    FinishContext,
+    MeasureContext,
+    PassContext,
+    Section,
+)
 from lmc_mergekit.passes.device import pass_device, with_default_device
 from lmc_mergekit.passes.text import Split, load_test_split
 from lmc_mergekit.plugin.architecture_repairs import repaired_architectures
@@ -51,7 +58,7 @@ from lmc_mergekit.plugin.mergekit_hooks import (
     without_torch_dtype_notice,
 )
 from lmc_mergekit.plugin.methods import PluginMethod
-from lmc_mergekit.plugin.recipe import Recipe, read_recipe
+from lmc_mergekit.plugin.recipe import Recipe, plain_weights, read_recipe
 from lmc_mergekit.plugin.resolve import LocalModels, resolve_models
 from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
 from lmc_mergekit.runtime.locks import entry_lock
@@ -149,7 +156,20 @@ def run_plugin_recipe(
     release_freed_memory()  # each stage's peak, not their sum
     merge_prepared(work.config, settings, prepared, folder, options)
     release_freed_memory()
-    report = measure(work, prepared, folder, load_test, options, cache_dir)
+    finished = method.finish(
+        FinishContext(
+            settings=settings,
+            inputs=prepared.inputs,
+            options=options,
+            artefacts=prepared.artefacts,
+            prepared=prepared.folders,
+            preparation=prepared.preparation,
+            merged=folder,
+            weights=plain_weights(work.config),
+        )
+    )
+    release_freed_memory()
+    report = measure(work, prepared, folder, load_test, options, cache_dir, finished)
     if options.write_model_card:
         rows = {
             local.written.get(source, str(source)): str(target.relative_to(cache_dir))
@@ -320,9 +340,11 @@ def measure(
     load_test: Callable[[], Split | None],
     options: MergeOptions,
     cache_dir: Path,
+    finished: Record | None = None,
 ) -> Record:
     """The method's report of the merge in ``folder``, with its files copied there: from the
-    cache, or measured (running the comparison merges it declares) into a new entry."""
+    cache, or measured (running the comparison merges it declares) into a new entry;
+    ``finished`` is what the method's finishing step did to the merge."""
     method, settings = recipe.method, recipe.settings
     merge_config = recipe.config.model_dump(mode="json")
     key = measurement_key(prepared.key, settings, merge_config, options)
@@ -331,7 +353,9 @@ def measure(
     if not cached_record(entry, report_file, method.report):  # complete: no lock needed
         with entry_lock(entry):  # a concurrent run measuring the same merge finishes first
             if not cached_record(entry, report_file, method.report):
-                _measure_into(entry, recipe, prepared, folder, load_test, options, cache_dir)
+                _measure_into(
+                    entry, recipe, prepared, folder, load_test, options, cache_dir, finished
+                )
     shutil.copytree(entry, folder, dirs_exist_ok=True)
     return method.report.read(entry / report_file)
 
@@ -344,6 +368,7 @@ def _measure_into(
     load_test: Callable[[], Split | None],
     options: MergeOptions,
     cache_dir: Path,
+    finished: Record | None = None,
 ) -> None:
     """Measure the merge in ``folder`` into the new cache entry ``entry`` (its report and
     files), running the comparison merges the method declares."""
@@ -371,6 +396,7 @@ def _measure_into(
                 scratch=Path(scratch),
                 files=work,
                 split_for=_split_for(recipe),
+                finished=finished,
             )
         )
         report.write(work / report_file)

@@ -77,6 +77,12 @@ def parse_recipe(text: str) -> Recipe:
         if combine is not None:
             _check_method(combine, f"recipe section '{method.section}:': combine", built_in=True)
         _check_weights(config, method.name)
+        if settings.needs_plain_weights() and plain_weights(config) is None:
+            raise LmcError(
+                f"recipe section '{method.section}:' asks for a statistics repair, which "
+                "interpolates the inputs' statistics by their weights: give each model one "
+                "number as its weight (not a per-tensor filter or gradient), or set repair: false"
+            )
     return Recipe(source=text, config=config, method=method, settings=settings)
 
 
@@ -123,14 +129,30 @@ def _check_dtype(key: str, name: str | None) -> None:
         ) from None
 
 
+def _weights(config: MergeConfiguration) -> list | None:
+    """Each model's weight (the plugin's methods weigh a model 1 unless told), or None where
+    some weight is a per-tensor filter or gradient."""
+    weights = [(entry.parameters or {}).get("weight", 1.0) for entry in config.models or []]
+    plain = all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights)
+    return weights if plain else None
+
+
+def plain_weights(config: MergeConfiguration) -> tuple[float, ...] | None:
+    """Each model's weight normalised to sum to 1; None where some weight is not one number,
+    or they sum to zero."""
+    weights = _weights(config)
+    if not weights or sum(weights) == 0:
+        return None
+    return tuple(w / sum(weights) for w in weights)
+
+
 def _check_weights(config: MergeConfiguration, method: str) -> None:
     """Plain weights that sum to zero under ``normalize`` (the default) would make every tensor
     0/0: refused before the pre-merge pass runs."""
     if not (config.parameters or {}).get("normalize", True):
         return
-    weights = [(entry.parameters or {}).get("weight", 1.0) for entry in config.models or []]
-    plain = all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights)
-    if plain and weights and sum(weights) == 0:
+    weights = _weights(config)
+    if weights and sum(weights) == 0:
         raise LmcError(
             f"the weights of the {method} recipe sum to zero, and normalize divides by their "
             "sum; give some model a non-zero weight or set parameters: normalize: false"
