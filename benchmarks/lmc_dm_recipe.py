@@ -3,7 +3,8 @@
     python benchmarks/lmc_dm_recipe.py [--zoo DIR] [--arch qwen3 gemma2] [--hidden 128]
         [--zoo-steps 1500] [--steps 600] [--matching weights activations]
         [--learn residual permutation scale qk ov]
-        [--tied --tied-embeddings untie keep] [--markdown docs/results.md]
+        [--tied --tied-embeddings untie keep] [--repair default true false]
+        [--markdown docs/results.md]
 
 Builds (or reuses) the zoo pair of each architecture (seeds 0 and 1), runs an ``lmc_dm``
 recipe (weight matching, then ``--steps`` of dual learned matching with the defaults) through
@@ -32,8 +33,8 @@ from lmc_mergekit.zoo import build_zoo
 
 HEADER = (
     "| pair | matching | endpoint losses | raw barrier | after matching | learned matching "
-    "| removed | merged loss | learned families | learning | whole command |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "| repaired | removed | merged loss | learned families | learning | whole command |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -49,7 +50,7 @@ def pair_row(
         "alignment": {"steps": steps, **alignment},
     }
     name = "-".join(
-        [label, *(v if isinstance(v, str) else "+".join(v) for v in alignment.values())]
+        [label, *("+".join(v) if isinstance(v, list) else str(v) for v in alignment.values())]
     ).replace(" ", "")
     path = work / f"{name}.yml"
     path.write_text(yaml.safe_dump(recipe))
@@ -58,13 +59,20 @@ def pair_row(
     seconds = time.perf_counter() - started
     report = AlignmentReport.read(out / AlignmentReport.file_name)
     pair, learning = report.pairs[0], report.learning
-    raw, matched, learned = (p.barrier for p in (pair.raw, pair.matched, pair.learned))
+    learned_path = pair.learned or pair.matched  # steps: 0 learns nothing
+    raw, matched, learned = (p.barrier for p in (pair.raw, pair.matched, learned_path))
+    # Removed: from the path the output comes from (repaired where the recipe repairs).
+    final = learned if pair.repaired is None else pair.repaired.barrier
+    repaired = "–" if pair.repaired is None else f"**{pair.repaired.barrier:.3f}**"
     return (
         f"| {label} | {report.matching[0]['matching']} | "
         + " / ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
-        + f" | {raw:.3f} | {matched:.3f} | **{learned:.3f}** | {1 - learned / raw:.1%} | "
-        f"{report.merged.test_loss:.3f} | {', '.join(learning.families)} | "
-        f"{learning.seconds:.0f} s | {seconds / 60:.1f} min |"
+        + f" | {raw:.3f} | {matched:.3f} | **{learned:.3f}** | {repaired} | "
+        f"{1 - final / raw:.1%} | "
+        f"{report.merged.test_loss:.3f} | "
+        + ("– | – |" if learning is None else f"{', '.join(learning.families)} | ")
+        + ("" if learning is None else f"{learning.seconds:.0f} s |")
+        + f" {seconds / 60:.1f} min |"
     )
 
 
@@ -84,6 +92,13 @@ def main() -> None:
     parser.add_argument(
         "--tied-embeddings", nargs="+", default=["untie"], choices=["untie", "keep"]
     )
+    parser.add_argument(
+        "--repair",
+        nargs="+",
+        default=["default"],
+        choices=["default", "true", "false"],
+        help="statistics repair of the merge (default: the recipe's default); one run each",
+    )
     add_markdown_option(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lmc-dm-bench-"))
@@ -94,10 +109,13 @@ def main() -> None:
             args.zoo, arch, args.hidden, args.layers, (0, 1), args.zoo_steps, tied=args.tied
         )
         for tie in args.tied_embeddings if args.tied else ["untie"]:
-            for matching in args.matching:
+            for matching, repair in ((m, r) for m in args.matching for r in args.repair):
                 label = f"{arch} d={args.hidden}" + (f", tied, {tie}" if args.tied else "")
                 options = MergeOptions(quiet=True)
                 extra = {"learn": args.learn} if args.learn else {}
+                if repair != "default":
+                    extra["repair"] = repair == "true"
+                    label += f", repair {repair}"
                 row = pair_row(
                     label,
                     a,

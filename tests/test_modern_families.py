@@ -165,22 +165,27 @@ def test_size_conversion_and_latent_merging(with_text, tmp_path, variant):
     assert (logits(tmp_path / "latent", ids) - logits(a, ids)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize(
-    ("variant", "runs"), [("olmo2", "activations"), ("qwen3_qk_norm_gqa", "weights")]
-)
+@pytest.mark.parametrize(("variant", "runs"), [("olmo2", "both"), ("qwen3_qk_norm_gqa", "weights")])
 def test_auto_matching_reads_text_where_the_residual_group_is_discrete(
     with_text, tmp_path, variant, runs
 ):
-    """``matching: auto`` (the default) matches a post-norm family by its activations and a
-    pre-norm one by its weights; the cache key holds what runs (and the text only where it is
-    read); models without one tokenizer fall back to weights."""
+    """``matching: auto`` (the default) matches a post-norm family both ways and keeps the one
+    whose mix scores lower on calibration text (both scores reported), a pre-norm one by its
+    weights; the cache key holds what runs (and the text only where it is read); models
+    without one tokenizer fall back to weights."""
     a, b = with_text[variant]
     evaluation = dict(steps=0, seq_len=32, points=3, eval_sequences=8, activation_sequences=8)
     out = tmp_path / "auto"
     result = run_yaml(recipe("lmc_dm", [a, b], **evaluation), tmp_path, out)
     assert result.exit_code == 0, result.output
     report = yaml.safe_load((out / "lmc_report.json").read_text())
-    assert report["matching"][0]["matching"] == runs
+    record = report["matching"][0]
+    if runs == "both":
+        tried = record["tried"]
+        assert set(tried) == {"weights", "activations"}
+        assert record["matching"] == min(tried, key=lambda kind: tried[kind]["mix_loss"])
+        runs = record["matching"]
+    assert record["matching"] == runs
     card = (out / "README.md").read_text()
     assert f"| {runs.removesuffix('s')} matching |" in card
     ids = probe_ids()
@@ -192,6 +197,7 @@ def test_auto_matching_reads_text_where_the_residual_group_is_discrete(
         settings = AlignmentSettings(**{**evaluation, **changes})
         return preparation_key("lmc_dm", settings, [a, b], "cpu")
 
-    assert (key() == key(matching=runs)) and (key() != key(matching="none"))
-    assert (key() == key(seq_len=64)) == (runs == "weights")  # the text counts where it is read
+    assert (key() == key(matching="weights")) == (variant != "olmo2")
+    assert key() != key(matching="none")
+    assert (key() == key(seq_len=64)) == (variant != "olmo2")  # the text counts where it is read
     assert AlignmentSettings().resolved_matching([open_model(a).spec], with_text=False) == "weights"

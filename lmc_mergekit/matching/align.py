@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from lmc_mergekit.evaluation.blockwise import MixedView, blockwise_loss
 from lmc_mergekit.matching.activation_matching import match_activations
 from lmc_mergekit.matching.learned_matching import LearningConfig, LearningResult, learn_symmetries
 from lmc_mergekit.matching.weight_matching import match_weights
@@ -33,7 +34,10 @@ from lmc_mergekit.symmetry.transform import load_transform, save_transform
 
 # Inside the state folder: the matching transform of model i (i ≥ 1).
 MATCHED_FILE = "weight-matching-{}.safetensors"
-Matching = Literal["none", "weights", "activations"]
+#: ``both``: weight and activation matching, the one whose mix scores lower kept.
+Matching = Literal["none", "weights", "activations", "both"]
+#: Calibration sequences (after those activation matching reads) that score the two matchings.
+SCORE_SEQUENCES = 16
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,11 @@ class AlignConfig:
     """``matching``: ``weights`` or ``activations`` (then learned matching when ``learning`` is
     given) or ``none`` (the models as they are: the baseline); ``max_iterations``: most rounds of
     weight matching; ``activation_sequences``: calibration sequences activation matching reads;
-    ``keep_tie``: tied embeddings stay tied (the models must tie them)."""
+    ``keep_tie``: tied embeddings stay tied (the models must tie them). ``both`` runs weight
+    and activation matching and keeps, per model, the one whose mix with the reference at
+    λ = ½ has the lower loss on :data:`SCORE_SEQUENCES` calibration sequences (after the ones
+    activation matching reads): which matches better depends on the pair, not only on the
+    family (models trained on different texts correlate weakly on each other's text)."""
 
     matching: Matching = "weights"
     max_iterations: int = 30
@@ -52,7 +60,14 @@ class AlignConfig:
     @property
     def reads_text(self) -> bool:
         """Whether this alignment needs calibration text."""
-        return self.learning is not None or self.matching == "activations"
+        return self.learning is not None or self.matching in ("activations", "both")
+
+    @property
+    def calibration_needed(self) -> int:
+        """Calibration sequences matching reads (learning reads its own count)."""
+        if self.matching == "activations":
+            return self.activation_sequences
+        return self.activation_sequences + SCORE_SEQUENCES if self.matching == "both" else 0
 
 
 @dataclass
@@ -157,31 +172,26 @@ def match_all(
                 {"model": str(view.folder), "matching": config.matching, "reused": str(saved)}
             )
             continue
-        if config.matching == "activations":
-            sequences = calibration[: config.activation_sequences]
-            found = match_activations(
-                views[0], view, runner, sequences, keep_tie=keep_tie, progress=progress
+        kinds = ("weights", "activations") if config.matching == "both" else (config.matching,)
+        found = {
+            kind: _match(
+                kind, views[0], view, config, keep_tie, progress, device, runner, calibration
             )
-            transform, record = found.transform, found.record()
+            for kind in kinds
+        }
+        if len(found) > 1:
+            scores = calibration[config.activation_sequences :][:SCORE_SEQUENCES]
+            if len(scores) == 0:  # a short text: score on what activation matching read
+                scores = calibration[-SCORE_SEQUENCES:]
+            reference = apply_transform(views[0], transforms[0])
+            for transform, record in found.values():
+                mix = MixedView(reference, apply_transform(view, transform), 0.5)
+                record["mix_loss"] = round(blockwise_loss(mix, runner, scores).loss, 6)
+            best = min(found, key=lambda kind: found[kind][1]["mix_loss"])
+            transform, record = found[best]
+            record = {**record, "tried": {k: r for k, (_, r) in found.items()}}
         else:
-            result = match_weights(
-                views[0],
-                view,
-                max_iterations=config.max_iterations,
-                device=device,
-                progress=progress,
-                keep_tie=keep_tie,
-            )
-            transform, record = (
-                result.transform,
-                {
-                    "matching": "weights",
-                    "iterations": result.iterations,
-                    "layers_solved": list(result.solved),
-                    "seconds": round(result.seconds, 3),
-                    "relative_distance": {"before": result.distances[0], "after": result.distance},
-                },
-            )
+            ((transform, record),) = found.values()
         record["units_moved"] = transform.units_moved()
         transforms.append(transform)
         if keep_in is not None:
@@ -189,6 +199,42 @@ def match_all(
             save_transform(transform, keep_in / MATCHED_FILE.format(index))
         records.append({"model": str(view.folder), **record})
     return transforms, records
+
+
+def _match(
+    kind: Matching,
+    reference: CheckpointView,
+    view: CheckpointView,
+    config: AlignConfig,
+    keep_tie: bool,
+    progress: bool,
+    device: torch.device | str,
+    runner: BlockRunner | None,
+    calibration: torch.Tensor | None,
+) -> tuple[Transform, dict]:
+    """``view``'s transform onto ``reference`` by weight or activation matching, and its
+    record."""
+    if kind == "activations":
+        sequences = calibration[: config.activation_sequences]
+        found = match_activations(
+            reference, view, runner, sequences, keep_tie=keep_tie, progress=progress
+        )
+        return found.transform, found.record()
+    result = match_weights(
+        reference,
+        view,
+        max_iterations=config.max_iterations,
+        device=device,
+        progress=progress,
+        keep_tie=keep_tie,
+    )
+    return result.transform, {
+        "matching": "weights",
+        "iterations": result.iterations,
+        "layers_solved": list(result.solved),
+        "seconds": round(result.seconds, 3),
+        "relative_distance": {"before": result.distances[0], "after": result.distance},
+    }
 
 
 def moved(views: list[ModelView], transforms: list[Transform]) -> list[InMemoryView]:

@@ -104,9 +104,9 @@ class AlignmentSettings(TextSettings):
     matching: Literal["auto", "none", "weights", "activations"] = Field(
         "auto",
         description="none: merge the raw checkpoints (the baseline); weights: start from weight "
-        "matching; activations: from activation matching on calibration text; auto: "
-        "activations where the residual group is discrete (post-norm and sandwich-norm "
-        "families, kept ties), weights elsewhere",
+        "matching; activations: from activation matching on calibration text; auto: both "
+        "where the residual group is discrete (post-norm and sandwich-norm families, kept "
+        "ties), the one whose mix scores lower on calibration text kept; weights elsewhere",
     )
     steps: int = Field(
         DEFAULT_STEPS,
@@ -187,7 +187,7 @@ class AlignmentSettings(TextSettings):
         unread = set()
         if not self.steps:
             unread |= set(LEARNING_KEYS)
-        if settings["matching"] not in ("activations", "auto"):
+        if settings["matching"] not in ("activations", "both", "auto"):
             unread.add("activation_sequences")
             if not self.steps:  # weight matching alone reads no text
                 unread |= set(TEXT_KEYS)
@@ -206,7 +206,7 @@ class AlignmentSettings(TextSettings):
             return self.matching
         group = symmetry_group(specs[0], self.keeps_tie(specs))
         discrete = group.residual in ("signed_permutation", "permutation")
-        return "activations" if discrete and with_text else "weights"
+        return "both" if discrete and with_text else "weights"
 
     def combining_method(self) -> str | None:
         return self.combine
@@ -445,7 +445,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
             fix = "use matching: weights and steps: 0"
             most = max(
                 settings.calibration_sequences if config.learning is not None else 0,
-                settings.activation_sequences if config.matching == "activations" else 0,
+                config.calibration_needed,
             )
             calibration = load_recipe_split(ctx.inputs, settings, "train", most, fix)
     alignment = align(
