@@ -64,15 +64,17 @@ def pair_row(
     # Removed: from the path the output comes from (repaired where the recipe repairs).
     final = learned if pair.repaired is None else pair.repaired.barrier
     repaired = "–" if pair.repaired is None else f"**{pair.repaired.barrier:.3f}**"
+    learned_cells = (
+        "– | –"
+        if learning is None
+        else f"{', '.join(learning.families)} | {learning.seconds:.0f} s"
+    )
     return (
         f"| {label} | {report.matching[0]['matching']} | "
         + " / ".join(f"{loss:.3f}" for loss in pair.raw.endpoint_losses)
         + f" | {raw:.3f} | {matched:.3f} | **{learned:.3f}** | {repaired} | "
         f"{1 - final / raw:.1%} | "
-        f"{report.merged.test_loss:.3f} | "
-        + ("– | – |" if learning is None else f"{', '.join(learning.families)} | ")
-        + ("" if learning is None else f"{learning.seconds:.0f} s |")
-        + f" {seconds / 60:.1f} min |"
+        f"{report.merged.test_loss:.3f} | {learned_cells} | {seconds / 60:.1f} min |"
     )
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -25,7 +24,6 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"<!-- (begin|end) (benchmarks/[\w./-]+\.py):([\w-]+) -->")
 
 
 def add_markdown_option(parser: argparse.ArgumentParser) -> None:
@@ -85,11 +83,16 @@ def _commit() -> str:
 COMMIT = _commit()
 
 
-def command(argv: list[str] | None = None) -> str:
+def _script(path: str) -> str:
+    """A script's path as the markers and the command show it (from the repository's root)."""
+    script = Path(path).resolve()
+    return script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else script.name
+
+
+def command() -> str:
     """The command that was run, without its ``--markdown`` files."""
-    argv = list(sys.argv if argv is None else argv)
     shown, skipping = [], False
-    for arg in argv[1:]:
+    for arg in sys.argv[1:]:
         if arg == "--markdown":
             skipping = True
             continue
@@ -97,28 +100,16 @@ def command(argv: list[str] | None = None) -> str:
             continue
         skipping = False
         shown.append(arg)
-    script = Path(argv[0]).resolve()
-    name = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else script.name
-    return shlex.join(["python", name, *shown])
+    return shlex.join(["python", _script(sys.argv[0]), *shown])
 
 
-def provenance(argv: list[str] | None = None) -> str:
-    """One line: the command, the machine, the date and the commit."""
-    return f"Written by `{command(argv)}` on {machine()}, {date.today()}, commit {COMMIT}."
-
-
-def block_name(script: str, table: str) -> tuple[str, str]:
-    """The two markers of one benchmark's table."""
-    script = Path(script).resolve()
-    rel = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else script.name
-    return f"<!-- begin {rel}:{table} -->", f"<!-- end {rel}:{table} -->"
-
-
-def write_block(files: list[Path], table: str, body: str, script: str | None = None) -> None:
-    """Put ``body`` (a Markdown table, perhaps with a caption) with its provenance line between
-    the markers of ``table`` in each file."""
-    begin, end = block_name(script or sys.argv[0], table)
-    text = f"{begin}\n{provenance()}\n\n{body.strip()}\n{end}"
+def write_block(files: list[Path], table: str, body: str) -> None:
+    """Put ``body`` (a Markdown table, perhaps with a caption) with a line saying where and how
+    it was measured between the markers of ``table`` in each file."""
+    script = _script(sys.argv[0])
+    begin, end = f"<!-- begin {script}:{table} -->", f"<!-- end {script}:{table} -->"
+    provenance = f"Written by `{command()}` on {machine()}, {date.today()}, commit {COMMIT}."
+    text = f"{begin}\n{provenance}\n\n{body.strip()}\n{end}"
     for path in files:
         page = path.read_text(encoding="utf-8")
         start, stop = page.find(begin), page.find(end)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.block_runner import BlockActivations, BlockRunner, embed
+from lmc_mergekit.models.block_runner import BlockActivations, BlockRunner, embed, final_norm
 from lmc_mergekit.models.view import Block, ModelSpec, ModelView, Norm
 
 #: Calibration sequences a block runs on at a time.
@@ -163,10 +163,8 @@ def _post_norm_writes(
     def written(norm: Norm | None, inputs: torch.Tensor, weight, bias) -> torch.Tensor | None:
         if norm is None:
             return None
-        out = inputs @ weight.to(inputs).T
-        if bias is not None:
-            out = out + bias.to(out)
-        return F.rms_norm(out, (out.shape[-1],), norm.gain.to(out), spec.norm_eps)
+        bias = None if bias is None else bias.to(inputs)
+        return final_norm(norm, F.linear(inputs, weight.to(inputs), bias), spec)
 
     attn, mlp = block.attn, block.mlp
     return (
@@ -226,21 +224,18 @@ def repair_statistics(
             for name, rms in stats.items():
                 target[name] = target.get(name, 0) + weight * rms
         block = merged.block(layer)
-        scales = BlockScales(torch.ones(spec.num_kv_heads * spec.head_dim), torch.ones(0))
-        # Attention first: in a sequential block, what the MLP reads depends on it.
-        stats, _ = _statistics(runner, block, mixed, layer)
-        scales.values = _ratio(target["values"], stats["values"])
-        scales.units = torch.ones_like(stats["units"]).float()
-        if "attn_post" in stats:
-            scales.attn_post = torch.ones_like(stats["attn_post"]).float()
-            moved, _ = _statistics(runner, scaled_block(block, scales, spec), mixed, layer)
-            scales.attn_post = _ratio(target["attn_post"], moved["attn_post"])
-        stats, _ = _statistics(runner, scaled_block(block, scales, spec), mixed, layer)
-        scales.units = _ratio(target["units"], stats["units"])
-        if "mlp_post" in stats:
-            scales.mlp_post = torch.ones_like(stats["mlp_post"]).float()
-            moved, _ = _statistics(runner, scaled_block(block, scales, spec), mixed, layer)
-            scales.mlp_post = _ratio(target["mlp_post"], moved["mlp_post"])
+        scales = BlockScales(
+            values=torch.ones(spec.num_kv_heads * spec.head_dim),
+            units=torch.ones(spec.intermediate_size),
+            attn_post=None if block.attn_post_norm is None else torch.ones(spec.hidden_size),
+            mlp_post=None if block.mlp_post_norm is None else torch.ones(spec.hidden_size),
+        )
+        # In the order the block computes them: in a sequential block what the MLP reads
+        # depends on the attention, and each post-norm on what it normalises.
+        for name in ("values", "attn_post", "units", "mlp_post"):
+            if getattr(scales, name) is not None:
+                stats, _ = _statistics(runner, scaled_block(block, scales, spec), mixed, layer)
+                setattr(scales, name, _ratio(target[name], stats[name]))
         _, mixed = _statistics(runner, scaled_block(block, scales, spec), mixed, layer)
         blocks.append(scales)
     return Repair(tuple(blocks))
