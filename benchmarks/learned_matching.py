@@ -13,13 +13,15 @@ step budget. ``step``: one alignment step against one plain training step (forwa
 AdamW) of one endpoint on the same batch, and the peak memory of each (separate processes).
 ``three``: three seeds aligned at once against pairwise alignment. ``matching``: weight against
 activation matching, each alone and followed by learned matching with and without the learned
-residual permutation (families with a discrete residual group). Barriers use the recipe
+residual permutation (families with a discrete residual group), each also with every mix of its
+path statistics-repaired (``repair: true``, 64 calibration sequences). Barriers use the recipe
 defaults (11 λ points) on ``--eval`` test sequences. Zoo models are built when missing (a d=128
 model takes about 5 minutes on two CPU cores).
 
 With ``--markdown`` each table is written as the block named after the command; ``ablation``
-writes one block per architecture, ``ablation-<arch>`` (``--block`` replaces the command's name,
-the architecture still appended).
+writes one block per architecture, ``ablation-<arch>``, and ``matching`` its whole table and a
+row per pair for the better start, ``matching-summary``, each into the files that hold its
+markers (``--block`` replaces the command's name, the suffix still appended).
 """
 
 from __future__ import annotations
@@ -38,16 +40,20 @@ from markdown_blocks import add_markdown_option, publish
 from step_timing import time_step
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+from lmc_mergekit.evaluation.blockwise import MixedView, blockwise_loss
 from lmc_mergekit.matching.align import AlignConfig, block_runner, match_all, moved
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
 from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.repair import RepairedView, repair_statistics
 from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.symmetry import Transform, apply_transform
-from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES
+from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
 from lmc_mergekit.zoo import build_zoo
 
 GRID = tuple(i / 10 for i in range(11))
+#: Calibration sequences of a repaired mix (the recipe's ``repair_sequences`` default).
+REPAIR_SEQUENCES = 64
 
 
 class Setup:
@@ -56,6 +62,7 @@ class Setup:
     def __init__(self, args, arch: str, seeds: tuple[int, ...], matching: str = "weights"):
         self.folders = build_zoo(args.zoo, arch, args.hidden, args.layers, seeds, args.zoo_steps)
         views = [open_model(folder) for folder in self.folders]
+        self.group = symmetry_group(views[0].spec)
         tokenizer = load_tokenizer(self.folders)
         config = DataConfig(seq_len=128)
         self.train = load_split(config, tokenizer, "train", 4096)
@@ -85,6 +92,23 @@ class Setup:
             weights = torch.zeros(len(endpoints))
             weights[pair[0]], weights[pair[1]] = 1 - lam, lam
             losses.append(self.loss(endpoints, weights))
+        return max(losses) - (losses[0] + losses[-1]) / 2
+
+    @torch.no_grad()
+    def repaired_barrier(self, endpoints, pair=(0, 1)) -> float:
+        """Barrier on the straight path between two of the endpoints with each inner mix's
+        statistics repaired first, on the recipe's default 64 calibration sequences (what
+        ``repair: true`` measures)."""
+        ends = [endpoints[i] for i in pair]
+        calibration = self.train[:REPAIR_SEQUENCES]
+        losses = []
+        for lam in GRID:
+            mix = MixedView(*ends, lam)
+            if 0 < lam < 1:
+                mix = RepairedView(
+                    mix, repair_statistics(ends, (1 - lam, lam), mix, self.model, calibration)
+                )
+            losses.append(blockwise_loss(mix, self.model, self.test).loss)
         return max(losses) - (losses[0] + losses[-1]) / 2
 
     def centre_loss(self, endpoints) -> float:
@@ -190,30 +214,76 @@ def cmd_ablation(args) -> None:
         publish(argparse.Namespace(markdown=args.markdown), block, "\n".join(lines))
 
 
+#: The ``matching`` ablation's states, in its columns' order: (label, learned families).
+STATES = (
+    ("matching", None),
+    ("learned", DEFAULT_FAMILIES),
+    ("learned with the permutation", (*DEFAULT_FAMILIES, "permutation")),
+)
+
+
 def cmd_matching(args) -> None:
+    """Each start, each state, each with and without repair: the table ``matching`` (where
+    its markers are) and a row per pair for the better start, ``matching-summary``."""
     lines = [
-        "| pair | start | barrier after matching | learned | learned with the permutation |",
-        "|---|---|---|---|---|",
+        "| pair | start | " + " | ".join(f"{label} | + repair" for label, _ in STATES) + " |",
+        "|---|---|" + "---|---|" * len(STATES),
+    ]
+    summary = [
+        "| pair | raw barrier | better start | after matching | learned | learned, repaired | "
+        "learned with the permutation |",
+        "|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     for arch in args.arch:
+        starts = {}
         for matching in ("weights", "activations"):
             setup = Setup(args, arch, (0, 1), matching)
-            raw, matched = setup.barrier(setup.raw), setup.barrier(setup.endpoints)
+            raw = setup.barrier(setup.raw)
+            got = {}  # state → (barrier, repaired barrier, seconds), None where not learnable
+            for label, families in STATES:
+                if families is None:
+                    ends, seconds = setup.endpoints, setup.matching_seconds
+                elif "permutation" in families and "permutation" not in setup.group.learnable:
+                    got[label] = None
+                    continue
+                else:
+                    config = LearningConfig(steps=args.steps, lr=args.lr, families=families)
+                    ends, result = setup.learn(replace(config, checkpoint_every=args.steps))
+                    seconds = result.seconds
+                got[label] = (setup.barrier(ends), setup.repaired_barrier(ends), seconds)
+            starts[matching] = got
             cells = []
-            for families in (DEFAULT_FAMILIES, (*DEFAULT_FAMILIES, "permutation")):
-                config = LearningConfig(steps=args.steps, lr=args.lr, families=families)
-                ends, result = setup.learn(replace(config, checkpoint_every=args.steps))
-                barrier = setup.barrier(ends)
-                cells.append(f"{barrier:.3f} ({1 - barrier / raw:.0%}), {result.seconds:.0f} s")
+            for label, _ in STATES:
+                if got[label] is None:
+                    cells += ["–", "–"]
+                    continue
+                plain, repaired, seconds = got[label]
+                cells += [f"{removed(plain, raw)}, {seconds:.0f} s", removed(repaired, raw)]
             lines.append(
-                f"| {arch} d={args.hidden} (raw {raw:.3f}) | {matching} | {matched:.3f} "
-                f"({1 - matched / raw:.0%}), {setup.matching_seconds:.0f} s | "
+                f"| {arch} d={args.hidden} (raw {raw:.3f}) | {matching} | "
                 + " | ".join(cells)
                 + " |"
             )
             print(lines[-1], flush=True)
-    publish(args, "matching", "\n".join(lines))
+        best = min(starts, key=lambda start: starts[start]["learned"][0])
+        got = starts[best]
+        permuted = got[STATES[2][0]]
+        summary.append(
+            f"| {arch} d={args.hidden} | {raw:.3f} | {best} | {removed(got['matching'][0], raw)} | "
+            f"**{removed(got['learned'][0], raw)}** | {removed(got['learned'][1], raw)} | "
+            + ("–" if permuted is None else removed(permuted[0], raw))
+            + " |"
+        )
+    name = args.block or "matching"
+    blocks = argparse.Namespace(markdown=args.markdown)
+    publish(blocks, name, "\n".join(lines), where_marked=True)
+    publish(blocks, f"{name}-summary", "\n".join(summary), where_marked=True)
+
+
+def removed(barrier: float, raw: float) -> str:
+    """``barrier (share of raw removed)``."""
+    return f"{barrier:.3f} ({1 - barrier / raw:.1%})"
 
 
 def cmd_step(args) -> None:

@@ -103,15 +103,19 @@ def command() -> str:
     return shlex.join(["python", _script(sys.argv[0]), *shown])
 
 
-def write_block(files: list[Path], table: str, body: str) -> None:
+def write_block(files: list[Path], table: str, body: str, where_marked: bool = False) -> None:
     """Put ``body`` (a Markdown table, perhaps with a caption) with a line saying where and how
-    it was measured between the markers of ``table`` in each file."""
+    it was measured between the markers of ``table`` in each file (``where_marked``: in those
+    of the files that have its markers, at least one; a detailed table and its summary go to
+    different pages)."""
     script = _script(sys.argv[0])
     begin, end = f"<!-- begin {script}:{table} -->", f"<!-- end {script}:{table} -->"
     provenance = f"Written by `{command()}` on {machine()}, {date.today()}, commit {COMMIT}."
     text = f"{begin}\n{provenance}\n\n{body.strip()}\n{end}"
-    for path in files:
-        page = path.read_text(encoding="utf-8")
+    pages = {path: path.read_text(encoding="utf-8") for path in files}
+    if where_marked:
+        pages = {path: page for path, page in pages.items() if begin in page} or pages
+    for path, page in pages.items():
         start, stop = page.find(begin), page.find(end)
         if start < 0 or stop < start:
             raise SystemExit(f"{path} has no block {begin}: add its two markers where it belongs")
@@ -119,9 +123,9 @@ def write_block(files: list[Path], table: str, body: str) -> None:
         print(f"wrote {table} into {path}")
 
 
-def publish(args: argparse.Namespace, table: str, body: str) -> None:
+def publish(args: argparse.Namespace, table: str, body: str, where_marked: bool = False) -> None:
     """Print a table and, with ``--markdown``, write it into the documentation as the block
-    ``table`` (or the ``--block`` given)."""
+    ``table`` (or the ``--block`` given; ``where_marked``: see :func:`write_block`)."""
     print("\n" + body.strip(), flush=True)
     if getattr(args, "markdown", None):
-        write_block(args.markdown, getattr(args, "block", None) or table, body)
+        write_block(args.markdown, getattr(args, "block", None) or table, body, where_marked)

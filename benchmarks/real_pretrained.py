@@ -207,11 +207,15 @@ def row_learn(source: Path, args) -> dict:
     return result
 
 
-def finetuned(source: Path, args) -> Path:
-    """The model fine-tuned on the KJV text (built once, in a child process)."""
-    out = cache_root() / f"{MODEL_DIR}-kjv-{args.finetune_steps}"
+#: The bundled corpus's texts the model is fine-tuned on and evaluated on: name → file stem.
+TEXTS = {"KJV": "kjv", "Austen": "prideprejudice"}
+
+
+def finetuned(source: Path, args, text: str = "KJV") -> Path:
+    """The model fine-tuned on one of :data:`TEXTS` (built once, in a child process)."""
+    out = cache_root() / f"{MODEL_DIR}-{TEXTS[text]}-{args.finetune_steps}"
     if not (out / "finetune.json").is_file():
-        command = [sys.executable, __file__, "finetune-worker", str(source), str(out)]
+        command = [sys.executable, __file__, "finetune-worker", str(source), str(out), text]
         subprocess.run([*command, "--finetune-steps", str(args.finetune_steps)], check=True)
     return out
 
@@ -220,7 +224,7 @@ def finetune_worker(args) -> None:
     from lmc_mergekit.data import DataConfig
     from lmc_mergekit.zoo.finetune import finetune
 
-    data = DataConfig(source=str(corpus_file("kjv")), seq_len=128)
+    data = DataConfig(source=str(corpus_file(TEXTS[args.text])), seq_len=128)
     finetune(args.source, args.out, data, steps=args.finetune_steps, batch_size=8, lr=1e-4)
 
 
@@ -235,9 +239,9 @@ def row_finetune(source: Path, args) -> dict:
     result, dm = run_recipe("finetune", recipe, args)
     linear = {"merge_method": "linear", "models": models(source, tuned), "dtype": "bfloat16"}
     _, plain = run_recipe("finetune-linear", linear, args)
-    texts = {"Austen": corpus_file("prideprejudice"), "KJV": corpus_file("kjv")}
     cells = []
-    for name, data in texts.items():
+    for name in ("Austen", "KJV"):
+        data = corpus_file(TEXTS[name])
         losses = [test_loss(m, args, data) for m in (source, tuned, dm, plain)]
         cells.append(
             f"{name} base {losses[0]:.3f}, fine-tune {losses[1]:.3f}, lmc_dm {losses[2]:.3f}, "
@@ -370,6 +374,7 @@ def main() -> None:
     tune = sub.add_parser("finetune-worker")
     tune.add_argument("source", type=Path)
     tune.add_argument("out", type=Path)
+    tune.add_argument("text", choices=list(TEXTS))
     tune.add_argument("--finetune-steps", type=int, required=True)
     heal = sub.add_parser("heal-worker")
     heal.add_argument("source", type=Path)

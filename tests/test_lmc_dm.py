@@ -181,3 +181,16 @@ def test_a_base_and_its_finetune_are_merged_as_mergekit_linear_merges_them(
     merged, plain = (load_file(tmp_path / n / "model.safetensors") for n in ("dm", "linear"))
     assert merged.keys() == plain.keys()
     assert all(torch.equal(merged[k], plain[k]) for k in merged)
+
+
+def test_repair_true_repairs_a_merge_of_one_basin(base_and_finetune, tmp_path):
+    """An explicit ``repair: true`` repairs what a base and its fine-tune merge into (kept as
+    they are): the report measures the repaired straight path next to the raw one."""
+    recipe = pair_recipe(*base_and_finetune, repair=True, repair_sequences=8, points=3)
+    result = run_recipe(recipe, tmp_path, tmp_path / "dm")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "dm" / "lmc_report.json").read_text())
+    assert report["one_basin"] and report["repair"]["scales"]["units"]["units"] > 0
+    pair = report["pairs"][0]
+    assert pair["repaired"]["endpoint_losses"] == pytest.approx(pair["raw"]["endpoint_losses"])
+    assert report["merged"]["test_loss"] == pytest.approx(pair["repaired"]["losses"][1], abs=1e-4)

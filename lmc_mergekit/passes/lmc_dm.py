@@ -520,11 +520,13 @@ def _tie_record(sources: Sequence[ModelSpec], written: ModelSpec, folder: Path) 
 
 def finish(ctx: FinishContext) -> RepairRecord | None:
     """The statistics repair of the merged model, where the recipe (or the family's default)
-    asks for it; None where it does not, or where matching left the inputs as they were."""
+    asks for it; None where it does not. A family's default was measured on aligned pairs, so
+    it passes over inputs already in one basin; an explicit ``repair: true`` repairs their merge
+    too (a base and its fine-tunes, merged as mergekit's linear would)."""
     settings: AlignmentSettings = ctx.settings
     preparation: AlignmentPreparation = ctx.preparation
     spec = open_model(ctx.merged, ctx.options.trust_remote_code).spec
-    if not settings.resolved_repair(spec) or preparation.one_basin:
+    if not settings.resolved_repair(spec) or (preparation.one_basin and settings.repair is None):
         return None
     if ctx.weights is None:  # only a default asks: an explicit repair was refused up front
         if ctx.progress:
