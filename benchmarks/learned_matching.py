@@ -275,10 +275,13 @@ def cmd_matching(args) -> None:
             + ("–" if permuted is None else removed(permuted[0], raw))
             + " |"
         )
-    name = args.block or "matching"
-    blocks = argparse.Namespace(markdown=args.markdown)
-    publish(blocks, name, "\n".join(lines), where_marked=True)
-    publish(blocks, f"{name}-summary", "\n".join(summary), where_marked=True)
+        # Written after each pair: a long run stopped early still leaves what it measured.
+        done = args.arch[: args.arch.index(arch) + 1]
+        caption = "" if done == args.arch else f"Pairs measured so far: {', '.join(done)}.\n\n"
+        name = args.block or "matching"
+        blocks = argparse.Namespace(markdown=args.markdown)
+        publish(blocks, name, caption + "\n".join(lines), where_marked=True)
+        publish(blocks, f"{name}-summary", caption + "\n".join(summary), where_marked=True)
 
 
 def removed(barrier: float, raw: float) -> str:
