@@ -40,12 +40,12 @@ from markdown_blocks import add_markdown_option, publish
 from step_timing import time_step
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
-from lmc_mergekit.evaluation.blockwise import MixedView, blockwise_loss
+from lmc_mergekit.evaluation.barrier import path_mix
+from lmc_mergekit.evaluation.blockwise import blockwise_loss
 from lmc_mergekit.matching.align import AlignConfig, block_runner, match_all, moved
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.learned_matching import LearningConfig, learn_symmetries
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.repair import RepairedView, repair_statistics
 from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
@@ -99,16 +99,12 @@ class Setup:
         """Barrier on the straight path between two of the endpoints with each inner mix's
         statistics repaired first, on the recipe's default 64 calibration sequences (what
         ``repair: true`` measures)."""
-        ends = [endpoints[i] for i in pair]
+        a, b = (endpoints[i] for i in pair)
         calibration = self.train[:REPAIR_SEQUENCES]
-        losses = []
-        for lam in GRID:
-            mix = MixedView(*ends, lam)
-            if 0 < lam < 1:
-                mix = RepairedView(
-                    mix, repair_statistics(ends, (1 - lam, lam), mix, self.model, calibration)
-                )
-            losses.append(blockwise_loss(mix, self.model, self.test).loss)
+        losses = [
+            blockwise_loss(path_mix(a, b, lam, self.model, calibration), self.model, self.test).loss
+            for lam in GRID
+        ]
         return max(losses) - (losses[0] + losses[-1]) / 2
 
     def centre_loss(self, endpoints) -> float:
@@ -236,10 +232,10 @@ def cmd_matching(args) -> None:
     ]
     print("\n".join(lines), flush=True)
     for arch in args.arch:
-        starts = {}
+        starts, raw = {}, None
         for matching in ("weights", "activations"):
             setup = Setup(args, arch, (0, 1), matching)
-            raw = setup.barrier(setup.raw)
+            raw = setup.barrier(setup.raw) if raw is None else raw  # one per pair
             got = {}  # state → (barrier, repaired barrier, seconds), None where not learnable
             for label, families in STATES:
                 if families is None:
@@ -268,7 +264,7 @@ def cmd_matching(args) -> None:
             print(lines[-1], flush=True)
         best = min(starts, key=lambda start: starts[start]["learned"][0])
         got = starts[best]
-        permuted = got[STATES[2][0]]
+        permuted = got["learned with the permutation"]
         summary.append(
             f"| {arch} d={args.hidden} | {raw:.3f} | {best} | {removed(got['matching'][0], raw)} | "
             f"**{removed(got['learned'][0], raw)}** | {removed(got['learned'][1], raw)} | "

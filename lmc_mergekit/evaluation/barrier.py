@@ -21,6 +21,7 @@ from lmc_mergekit.evaluation.selfcheck import load_fp32, runs_blockwise
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.checkpoint import CheckpointReader, row_slices
+from lmc_mergekit.models.view import ModelView
 from lmc_mergekit.repair import RepairedView, repair_statistics
 from lmc_mergekit.runtime.records import Record
 
@@ -67,6 +68,17 @@ def lambda_grid(points: int) -> tuple[float, ...]:
     return tuple(i / (points - 1) for i in range(points))
 
 
+def path_mix(
+    a: ModelView, b: ModelView, lam: float, runner: BlockRunner, repair_on: torch.Tensor | None
+) -> ModelView:
+    """``(1-λ)·a + λ·b`` made part by part; with ``repair_on`` (calibration sequences), its
+    statistics repaired on them first (an endpoint needs no repair)."""
+    mix = MixedView(a, b, lam)
+    if repair_on is None or not 0 < lam < 1:
+        return mix
+    return RepairedView(mix, repair_statistics((a, b), (1 - lam, lam), mix, runner, repair_on))
+
+
 def interpolation_losses(
     model_a: str | Path,
     model_b: str | Path,
@@ -93,11 +105,7 @@ def interpolation_losses(
         runner = BlockRunner(views[0].folder, views[0].adapter, views[0].spec, device)
         losses = []
         for lam in tqdm(grid, desc="loss along the path", disable=not progress, leave=False):
-            mix = MixedView(*views, lam)
-            if repair_on is not None and 0 < lam < 1:  # an endpoint needs no repair
-                scales = repair_statistics(views, (1 - lam, lam), mix, runner, repair_on)
-                mix = RepairedView(mix, scales)
-            result = blockwise_loss(mix, runner, sequences)
+            result = blockwise_loss(path_mix(*views, lam, runner, repair_on), runner, sequences)
             losses.append(result.loss)
         return PathLoss(lambdas=grid, losses=tuple(losses), tokens=result.tokens)
     if repair_on is not None:
