@@ -72,7 +72,7 @@ class Setup:
         start = time.perf_counter()
         # What the lmc_dm pass runs.
         matched, _ = match_all(
-            views, AlignConfig(matching), runner=self.model, calibration=self.train
+            views, AlignConfig(matching), runners=(self.model, None), calibration=self.train
         )
         self.matching_seconds = time.perf_counter() - start
         self.raw = moved(views, [matched[0]] * len(views))  # norms absorbed, nothing else

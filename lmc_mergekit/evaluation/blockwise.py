@@ -12,6 +12,7 @@ differently, the mix reads the tied one's embedding as its head.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from lmc_mergekit.models.block_runner import (
     head_logits,
     soft_capped,
 )
-from lmc_mergekit.models.view import ModelView, iter_tensors, map_named_tensors
+from lmc_mergekit.models.view import Head, ModelSpec, ModelView, iter_tensors, map_named_tensors
 
 #: Bytes of float32 residual stream held at once (sequences beyond it run in another group,
 #: whose blocks are read again).
@@ -96,10 +97,41 @@ def blockwise_loss(
     ``(n, L)``, run block by block through ``runner``, ``batch_size`` sequences through a
     block at a time (float32 logits, summed, divided once by the token count: what
     :func:`~lmc_mergekit.evaluation.loss.mean_token_loss` computes)."""
+    total, head = 0.0, None
+    for ids, residual in final_streams(view, runner, sequences, batch_size, progress):
+        head = view.head() if head is None else head  # read (or mixed) once
+        total += summed_loss(head, view.spec, residual, ids)
+    tokens = sequences.shape[0] * (sequences.shape[1] - 1)
+    return LossResult(loss=total / tokens, tokens=tokens)
+
+
+@torch.no_grad()
+def sequence_losses(
+    view: ModelView, runner: BlockRunner, sequences: torch.Tensor, batch_size: int = BATCH
+) -> torch.Tensor:
+    """Per sequence of ``sequences`` ``(n, L)``, the mean next-token cross-entropy of
+    ``view``'s model (float64 ``(n,)``): what a paired comparison of two models on the same
+    text needs (the spread of their per-sequence differences)."""
+    losses, head = [], None
+    for ids, residual in final_streams(view, runner, sequences, batch_size):
+        head = view.head() if head is None else head
+        for row in range(len(ids)):
+            losses.append(summed_loss(head, view.spec, residual[row : row + 1], ids[row : row + 1]))
+    return torch.tensor(losses, dtype=torch.float64) / (sequences.shape[1] - 1)
+
+
+def final_streams(
+    view: ModelView,
+    runner: BlockRunner,
+    sequences: torch.Tensor,
+    batch_size: int = BATCH,
+    progress: bool = False,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Groups of ``sequences`` (as many as :data:`GROUP_BYTES` of residual stream holds) and
+    the last residual stream of each, run block by block through ``runner``."""
     spec, device = view.spec, runner.device
     per_sequence = sequences.shape[1] * spec.hidden_size * 4
     group = max(1, GROUP_BYTES // per_sequence)
-    total = 0.0
     bar = tqdm(total=len(sequences), unit="seq", desc="loss", disable=not progress)
     for ids in sequences.split(group):
         ids = ids.to(device=device, dtype=torch.long)
@@ -107,17 +139,14 @@ def blockwise_loss(
         for index in range(spec.num_layers):
             pieces = runner.each(view.block(index), residual.split(batch_size), index)
             residual = torch.cat([piece.output for piece in pieces])
-        total += summed_loss(view, residual, ids)
+        yield ids, residual
         bar.update(len(ids))
     bar.close()
-    tokens = sequences.shape[0] * (sequences.shape[1] - 1)
-    return LossResult(loss=total / tokens, tokens=tokens)
 
 
-def summed_loss(view: ModelView, residual: torch.Tensor, ids: torch.Tensor) -> float:
+def summed_loss(head: Head, spec: ModelSpec, residual: torch.Tensor, ids: torch.Tensor) -> float:
     """The summed next-token cross-entropy of the last residual stream ``residual`` through
-    ``view``'s final norm and head, :data:`LOSS_TOKENS` tokens at a time."""
-    head, spec = view.head(), view.spec
+    the final norm and ``head`` of a model of ``spec``, :data:`LOSS_TOKENS` tokens at a time."""
     states = residual[:, :-1].reshape(-1, residual.shape[-1])
     targets = ids[:, 1:].reshape(-1)
     total = 0.0

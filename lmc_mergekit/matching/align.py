@@ -21,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from lmc_mergekit.evaluation.blockwise import MixedView, blockwise_loss
 from lmc_mergekit.matching.activation_matching import match_activations
 from lmc_mergekit.matching.learned_matching import LearningConfig, LearningResult, learn_symmetries
+from lmc_mergekit.matching.starts import CLEAR_MARGIN, SCORE_SEQUENCES, StartScorer
 from lmc_mergekit.matching.weight_matching import match_weights
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner
@@ -34,10 +34,9 @@ from lmc_mergekit.symmetry.transform import load_transform, save_transform
 
 # Inside the state folder: the matching transform of model i (i ≥ 1).
 MATCHED_FILE = "weight-matching-{}.safetensors"
-#: ``both``: weight and activation matching, the one whose mix scores lower kept.
+#: ``both``: weight matching, then activation matching where a barrier is left (see
+#: :mod:`~lmc_mergekit.matching.starts`).
 Matching = Literal["none", "weights", "activations", "both"]
-#: Calibration sequences (after those activation matching reads) that score the two matchings.
-SCORE_SEQUENCES = 16
 
 
 @dataclass(frozen=True)
@@ -45,29 +44,41 @@ class AlignConfig:
     """``matching``: ``weights`` or ``activations`` (then learned matching when ``learning`` is
     given) or ``none`` (the models as they are: the baseline); ``max_iterations``: most rounds of
     weight matching; ``activation_sequences``: calibration sequences activation matching reads;
-    ``keep_tie``: tied embeddings stay tied (the models must tie them). ``both`` runs weight
-    and activation matching and keeps, per model, the one whose mix with the reference at
-    λ = ½ has the lower loss on :data:`SCORE_SEQUENCES` calibration sequences (after the ones
-    activation matching reads): which matches better depends on the pair, not only on the
-    family (models trained on different texts correlate weakly on each other's text)."""
+    ``keep_tie``: tied embeddings stay tied (the models must tie them). ``both`` tries weight
+    matching, then activation matching. ``score``: the starts (the models as they are, then
+    each matching) are scored on :data:`~lmc_mergekit.matching.starts.SCORE_SEQUENCES`
+    calibration sequences (after the ones activation matching reads) and each model keeps the
+    one :mod:`~lmc_mergekit.matching.starts` chooses: which matches better depends on the pair,
+    not only on the family, and a base with its fine-tunes is best kept as it is."""
 
     matching: Matching = "weights"
     max_iterations: int = 30
     learning: LearningConfig | None = None
     keep_tie: bool = False
     activation_sequences: int = 64
+    score: bool = False
+    #: Whether the models as they are compete as a start (else a matching is always kept).
+    one_basin_check: bool = True
 
     @property
     def reads_text(self) -> bool:
         """Whether this alignment needs calibration text."""
-        return self.learning is not None or self.matching in ("activations", "both")
+        matches_on_text = self.matching in ("activations", "both")
+        return self.learning is not None or matches_on_text or (self.score and self.matches)
+
+    @property
+    def matches(self) -> bool:
+        return self.matching != "none"
+
+    @property
+    def activations_read(self) -> int:
+        """Calibration sequences activation matching reads (0 where it does not run)."""
+        return self.activation_sequences if self.matching in ("activations", "both") else 0
 
     @property
     def calibration_needed(self) -> int:
         """Calibration sequences matching reads (learning reads its own count)."""
-        if self.matching == "activations":
-            return self.activation_sequences
-        return self.activation_sequences + SCORE_SEQUENCES if self.matching == "both" else 0
+        return self.activations_read + (SCORE_SEQUENCES if self.score and self.matches else 0)
 
 
 @dataclass
@@ -80,9 +91,9 @@ class Alignment:
     matching: list[dict] = field(default_factory=list)
     learning: LearningResult | None = None
     seconds: dict[str, float] = field(default_factory=dict)
-    #: Matching permuted no unit of any model (no head, neuron or residual channel): they
-    #: already sit in one basin (a base and its fine-tunes) and are kept as they are; nothing
-    #: is learned.
+    #: Every model kept its start as it is (no matching clearly lowered its mix with the
+    #: first, or, without text, matching moved no unit): they already sit in one basin (a base
+    #: and its fine-tunes) and are merged as they are; nothing is learned.
     one_basin: bool = False
 
 
@@ -103,7 +114,7 @@ def align(
     ``(n, L)``."""
     processes = processes or Processes()
     started = time.perf_counter()
-    runner = None
+    runner = raw_runner = None
     # Before matching: a model that cannot run block by block fails first (in every process, or
     # it stops all).
     with processes.together():
@@ -111,14 +122,18 @@ def align(
             absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
             absorbed = apply_transform(views[0], absorb)
             runner = block_runner(views[0], absorbed.spec, torch.device(device), trust_remote_code)
+            raw_runner = block_runner(
+                views[0], views[0].spec, torch.device(device), trust_remote_code
+            )
     keep = state_dir if config.learning is not None else None
+    runners = (runner, raw_runner)
     # Once, in the main process (the only one that keeps it); every process gets its result.
     matched, matching = processes.from_main(
-        lambda: match_all(views, config, state_dir, keep, progress, device, runner, calibration)
+        lambda: match_all(views, config, state_dir, keep, progress, device, runners, calibration)
     )
     alignment = Alignment(matched, matched, matching)
     alignment.seconds["matching"] = time.perf_counter() - started
-    if config.matching != "none" and not any(t.units_moved() for t in matched[1:]):
+    if config.matches and all(record["matching"] == "kept" for record in matching):
         # The models as they are (untied alike where their ties differ, so that every head
         # survives the merge): what mergekit's own linear merge would average.
         untie = len({view.spec.tied_embeddings for view in views}) > 1
@@ -150,17 +165,22 @@ def match_all(
     keep_in: Path | None = None,
     progress: bool = False,
     device: torch.device | str = "cpu",
-    runner: BlockRunner | None = None,
+    runners: tuple[BlockRunner | None, BlockRunner | None] = (None, None),
     calibration: torch.Tensor | None = None,
 ) -> tuple[list[Transform], list[dict]]:
     """Every model's transform onto the first (the first's absorbs its norms) and a record per
     other model; a transform saved in ``reuse_from`` is reused, a new one saved in ``keep_in``
     (weight matching's heavy products run on ``device``; activation matching runs the first
-    ``config.activation_sequences`` of ``calibration`` through ``runner``)."""
-    absorb = config.matching != "none"
+    ``config.activation_sequences`` of ``calibration`` through ``runners``' first, for models
+    with absorbed norms; the second runs the models as they are). With calibration
+    text each model keeps the start :mod:`~lmc_mergekit.matching.starts` chooses (its record
+    says which and why: ``matching`` is ``kept`` for a model left as it is); without, the
+    matching, or ``kept`` where it moved no unit."""
+    absorb = config.matches
     keep_tie = absorb and config.keep_tie
-    transforms = [Transform(views[0].spec.num_layers, absorb_norms=absorb, keep_tie=keep_tie)]
-    records = []
+    runner, raw_runner = runners
+    reference = Transform(views[0].spec.num_layers, absorb_norms=absorb, keep_tie=keep_tie)
+    transforms, records = [reference], []
     for index, view in enumerate(views[1:], start=1):
         if not absorb:
             transforms.append(Transform(view.spec.num_layers))
@@ -173,25 +193,22 @@ def match_all(
             )
             continue
         kinds = ("weights", "activations") if config.matching == "both" else (config.matching,)
-        found = {
-            kind: _match(
+
+        def run(kind, view=view):
+            return match_pair(
                 kind, views[0], view, config, keep_tie, progress, device, runner, calibration
             )
-            for kind in kinds
-        }
-        if len(found) > 1:
-            scores = calibration[config.activation_sequences :][:SCORE_SEQUENCES]
-            if len(scores) == 0:  # a short text: score on what activation matching read
-                scores = calibration[-SCORE_SEQUENCES:]
-            reference = apply_transform(views[0], transforms[0])
-            for transform, record in found.values():
-                mix = MixedView(reference, apply_transform(view, transform), 0.5)
-                record["mix_loss"] = round(blockwise_loss(mix, runner, scores).loss, 6)
-            best = min(found, key=lambda kind: found[kind][1]["mix_loss"])
-            transform, record = found[best]
-            record = {**record, "tried": {k: r for k, (_, r) in found.items()}}
-        else:
-            ((transform, record),) = found.values()
+
+        scored = config.one_basin_check or len(kinds) > 1
+        if scored and config.score and calibration is not None and raw_runner is not None:
+            scores = score_sequences(calibration, config.activations_read)
+            scorer = StartScorer(views[0], view, reference, raw_runner, runner, scores)
+            kept = reference if config.one_basin_check else None
+            transform, record = choose_start(kinds, run, scorer, kept)
+        else:  # no text to score on: a matching that moved no unit keeps the models as they are
+            transform, record = run(kinds[0])
+            if config.one_basin_check and not transform.units_moved():
+                transform, record = reference, {**record, "matching": "kept"}
         record["units_moved"] = transform.units_moved()
         transforms.append(transform)
         if keep_in is not None:
@@ -201,7 +218,70 @@ def match_all(
     return transforms, records
 
 
-def _match(
+#: How a decision names each start's mix.
+MIXES = {
+    "kept": "the mix of the models as they are",
+    "weights": "the weight-matched mix",
+    "activations": "the activation-matched mix",
+}
+
+
+def score_sequences(calibration: torch.Tensor, read: int) -> torch.Tensor:
+    """The calibration sequences that score the starts: those after the ``read`` activation
+    matching reads (the last ones of a short text)."""
+    scores = calibration[read:][:SCORE_SEQUENCES]
+    return scores if len(scores) else calibration[-SCORE_SEQUENCES:]
+
+
+def choose_start(
+    kinds: tuple[str, ...],
+    run: Callable[[str], tuple[Transform, dict]],
+    scorer: StartScorer,
+    kept: Transform | None,
+) -> tuple[Transform, dict]:
+    """The start one model keeps: ``kept`` (the models as they are; None: not a candidate, a
+    matching is kept), or the matching among ``kinds`` (run in order by ``run``) that
+    :mod:`~lmc_mergekit.matching.starts` chooses, with its record (every matching run under
+    ``tried``, the scores, and the decision in words)."""
+    current, transform, record = "kept", kept, {}
+    tried, notes = {}, []
+    if kept is not None:
+        scorer.score("kept", None)
+    for kind in kinds:
+        if current in scorer.scores and scorer.leaves_no_barrier(current):
+            barrier = scorer.barrier(current)
+            notes.append(
+                f"{kind.removesuffix('s')} matching not run: at ½, {MIXES[current]} lies "
+                f"{abs(barrier):.4f} nats {'above' if barrier > 0 else 'below'} the mean of "
+                f"the models' own losses (no barrier above {CLEAR_MARGIN} left to remove)"
+            )
+            break
+        found, found_record = run(kind)
+        found_record["mix_loss"] = scorer.score(kind, found)
+        tried[kind] = found_record
+        if transform is None:  # the models as they are do not compete: the first is kept
+            current, transform, record = kind, found, found_record
+            continue
+        better, figures = scorer.compare(current, kind)
+        found_record["against"] = {"start": current, **figures}
+        notes.append(
+            f"{kind.removesuffix('s')} matching {'kept' if better else 'not kept'}: "
+            f"{MIXES[kind]} is lower than {MIXES[current]} by {figures['lower_by']:.4f} nats "
+            f"(needed: more than {figures['threshold']:.4f})"
+        )
+        if better:
+            current, transform, record = kind, found, found_record
+    record = {
+        **record,
+        "matching": current,
+        "tried": tried,
+        "scores": dict(scorer.scores),
+        "decision": "; ".join(notes),
+    }
+    return transform, record
+
+
+def match_pair(
     kind: Matching,
     reference: CheckpointView,
     view: CheckpointView,

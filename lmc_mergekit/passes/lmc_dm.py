@@ -41,7 +41,7 @@ from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split,
 from lmc_mergekit.repair import repair_checkpoint
 from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.symmetry import Transform
-from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
+from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group, untying_gains
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
 from lmc_mergekit.transform_checkpoint import transform_checkpoint
 
@@ -49,9 +49,9 @@ from lmc_mergekit.transform_checkpoint import transform_checkpoint
 DEFAULT_STEPS = 200
 PLOT_FILE = "lmc_barrier.png"
 ONE_BASIN_LINE = (
-    "The inputs already sit in one basin (matching moved no head, neuron or residual channel "
-    "of any of them, as for a base model and its fine-tunes): they are merged as they are, as "
-    "mergekit's linear merge would merge them, and nothing is learned."
+    "The inputs already sit in one basin (no matching lowers their mix clearly below that of "
+    "the models as they are, as for a base model and its fine-tunes): they are merged as they "
+    "are, as mergekit's linear merge would merge them, and nothing is learned."
 )
 LABELS = {"raw": "raw", "learned": "learned matching", "repaired": "repaired"}
 #: Families whose merges are repaired unless a recipe says otherwise: where the repair lowered
@@ -74,7 +74,7 @@ def path_label(kind: str, matching: list[dict]) -> str:
     matched one by the matching the records say ran."""
     if kind != "matched":
         return LABELS[kind]
-    ran = next((r["matching"] for r in matching if "matching" in r), "weights")
+    ran = next((r["matching"] for r in matching if r.get("matching", "kept") != "kept"), "weights")
     return f"{ran.removesuffix('s')} matching"  # weight / activation
 
 
@@ -159,11 +159,18 @@ class AlignmentSettings(TextSettings):
     repair_sequences: int = Field(
         64, ge=1, description="train-split sequences the statistics repair reads"
     )
+    one_basin_check: bool = Field(
+        True,
+        description="score the models as they are against each matching on calibration text "
+        "and merge them as they are (as mergekit's linear) unless a matching clearly does "
+        "better (false: a matching is always kept)",
+    )
     tied_embeddings: Literal["untie", "keep"] = Field(
-        "untie",
-        description="models whose head is tied to their embeddings: untie (any residual "
-        "rotation; writes a separate LM head) or keep (residual maps restricted to signed "
-        "permutations, final norm gain kept, tied checkpoints)",
+        "keep",
+        description="models whose head is tied to their embeddings: keep (the inputs' "
+        "architecture: residual maps restricted to signed permutations, final norm gain kept, "
+        "tied checkpoints) or untie (any residual rotation the family admits; writes a "
+        "separate LM head; ignored where the family's stream admits signed permutations only)",
     )
 
     @model_validator(mode="after")
@@ -181,23 +188,43 @@ class AlignmentSettings(TextSettings):
 
     def preparation_settings(self, inputs: Sequence[Path] = ()) -> dict:
         settings = super().preparation_settings(inputs)
-        if settings["matching"] == "auto" and inputs:  # keyed by what runs
+        with_text = shared_text(inputs) if inputs else True
+        if inputs:  # keyed by what runs
             specs = [open_model(path).spec for path in inputs]
-            settings["matching"] = self.resolved_matching(specs, shared_text(inputs))
+            settings["matching"] = self.resolved_matching(specs, with_text)
+            settings["tied_embeddings"] = "keep" if self.keeps_tie(specs) else "untie"
         unread = set()
         if not self.steps:
             unread |= set(LEARNING_KEYS)
         if settings["matching"] not in ("activations", "both", "auto"):
             unread.add("activation_sequences")
-            if not self.steps:  # weight matching alone reads no text
-                unread |= set(TEXT_KEYS)
+            scored = settings["matching"] == "weights" and with_text and self.one_basin_check
+            if not self.steps and not scored:
+                unread |= set(TEXT_KEYS)  # nothing is matched or scored on text
         for key in unread:
             settings.pop(key, None)
         return settings
 
     def keeps_tie(self, specs: Sequence[ModelSpec]) -> bool:
-        """Whether ties are kept for inputs of ``specs``: asked for, and every input tied."""
-        return self.tied_embeddings == "keep" and all(spec.tied_embeddings for spec in specs)
+        """Whether ties are kept for inputs of ``specs``: every input tied, and ``keep``
+        asked for or untying would buy no symmetry (:func:`untying_gains`)."""
+        if not all(spec.tied_embeddings for spec in specs):
+            return False
+        return self.tied_embeddings == "keep" or not untying_gains(specs[0])
+
+    def untie_ignored(self, specs: Sequence[ModelSpec]) -> str | None:
+        """The one line saying why ``untie`` is ignored for inputs of ``specs`` (None where it
+        is not asked for, or is done)."""
+        if self.tied_embeddings != "untie" or not self.keeps_tie(specs):
+            return None
+        spec = specs[0]
+        reason = symmetry_group(spec).why["residual"]
+        return (
+            f"tied_embeddings: untie ignored: the {spec.architecture} model's residual stream "
+            f"admits signed permutations only, tied or not ({reason}); a separate LM head "
+            f"({spec.vocab_size * spec.hidden_size:,} parameters) would buy nothing, so the "
+            "tie is kept"
+        )
 
     def resolved_matching(self, specs: Sequence[ModelSpec], with_text: bool = True) -> Matching:
         """The matching these settings run on inputs of ``specs`` (``auto`` resolved; models
@@ -261,6 +288,8 @@ class AlignmentSettings(TextSettings):
             learning,
             keep_tie,
             self.activation_sequences,
+            score=with_text,
+            one_basin_check=self.one_basin_check,
         )
 
 
@@ -290,20 +319,24 @@ class TieRecord(Record):
     merged model; bytes as stored). ``inputs_tied`` says which inputs were tied: a tie is kept
     only where every input ties (``tied_embeddings: keep``)."""
 
-    omit_if_none: ClassVar[tuple[str, ...]] = ("inputs_tied",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("inputs_tied", "untie_ignored")
 
     kept: bool
     added_parameters: int
     added_bytes: int
     inputs_tied: list[bool] | None = None
+    #: Why a recipe's ``tied_embeddings: untie`` was ignored (the family gains nothing by it).
+    untie_ignored: str | None = None
 
     def card_line(self) -> str:
         """One sentence for the model card."""
         if self.kept:
-            return (
-                "The inputs tie their LM head to their embeddings and the merge keeps it tied "
-                "(`tied_embeddings: keep`: residual maps restricted to signed permutations)."
+            line = (
+                "The inputs tie their LM head to their embeddings and the merge keeps it tied, "
+                "as the inputs' architecture has it (residual maps restricted to signed "
+                "permutations)."
             )
+            return line + (f" The recipe's {self.untie_ignored}." if self.untie_ignored else "")
         added = (
             f"adding an LM head of {self.added_parameters:,} parameters "
             f"({self.added_bytes / 2**20:,.0f} MiB as stored) to the merged model."
@@ -318,6 +351,17 @@ class TieRecord(Record):
         return (
             "The inputs tie their LM head to their embeddings; alignment untied it "
             f"(`tied_embeddings: untie`), {added}"
+        )
+
+    def summary_line(self) -> str:
+        """What the command prints: the tie kept, or the head untying adds."""
+        if self.untie_ignored:
+            return self.untie_ignored
+        if self.kept:
+            return "tied embeddings kept: the merge has the inputs' architecture"
+        return (
+            f"LM head untied: the merge adds {self.added_parameters:,} parameters "
+            f"({self.added_bytes / 2**20:,.0f} MiB as stored) to the inputs' architecture"
         )
 
 
@@ -467,6 +511,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
             tqdm.write(result.outcome())
     if alignment.one_basin and ctx.progress and ctx.processes.is_main:
         tqdm.write(ONE_BASIN_LINE)
+    untie_ignored = settings.untie_ignored(specs)
     if not ctx.processes.is_main:
         return AlignmentPreparation(matching=alignment.matching, learning=learning, seconds={})
     started = time.perf_counter()
@@ -476,11 +521,14 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         ctx.artefacts.mkdir(parents=True, exist_ok=True)
         for index, transform in enumerate(alignment.matched):
             save_transform(transform, ctx.artefacts / MATCHED_FILE.format(index))
+    tie = _tie_record(specs, written[0], ctx.outputs[0], untie_ignored)
+    if tie is not None and ctx.progress:
+        tqdm.write(tie.summary_line())
     return AlignmentPreparation(
         matching=alignment.matching,
         learning=learning,
         seconds={key: round(value, 3) for key, value in seconds.items()},
-        tied_embeddings=_tie_record(specs, written[0], ctx.outputs[0]),
+        tied_embeddings=tie,
         one_basin=alignment.one_basin,
     )
 
@@ -503,7 +551,9 @@ def write_moved(
     ]
 
 
-def _tie_record(sources: Sequence[ModelSpec], written: ModelSpec, folder: Path) -> TieRecord | None:
+def _tie_record(
+    sources: Sequence[ModelSpec], written: ModelSpec, folder: Path, untie_ignored: str | None
+) -> TieRecord | None:
     """What became of tied inputs' ties (None where no input is tied)."""
     tied = [spec.tied_embeddings for spec in sources]
     if not any(tied):
@@ -515,6 +565,7 @@ def _tie_record(sources: Sequence[ModelSpec], written: ModelSpec, folder: Path) 
         added_parameters=parameters,
         added_bytes=parameters * stored_dtype(folder).itemsize,
         inputs_tied=None if all(tied) else tied,
+        untie_ignored=untie_ignored,
     )
 
 

@@ -112,3 +112,10 @@ def symmetry_group(spec: ModelSpec, keep_tie: bool = False) -> SymmetryGroup:
             + (", shared by all heads" if qk == "shared_gains" else "")
         )
     return SymmetryGroup(residual, qk, why, spec.architecture)
+
+
+def untying_gains(spec: ModelSpec) -> bool:
+    """Whether untying a tied head widens the residual group of models of ``spec``: it does
+    where their stream admits more than signed permutations (RMSNorm or LayerNorm pre-norm
+    families); it does not where post-norms already confine it to them."""
+    return symmetry_group(spec).residual != symmetry_group(spec, keep_tie=True).residual

@@ -1,0 +1,145 @@
+"""What comes out is the model that went in: a base and its fine-tune merge as mergekit's
+``linear`` writes them (tie and shape kept, from either matching start), models from different
+seeds are never taken for one basin, and a tie is kept unless untying buys something."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from conftest import SMALL_ZOO
+from safetensors.torch import load_file
+
+from lmc_mergekit.data import DataConfig, bundled_text_files
+from lmc_mergekit.matching.starts import CLEAR_MARGIN, clearly_lower
+from lmc_mergekit.plugin.cli import mergekit_yaml_main
+from lmc_mergekit.symmetry.group import untying_gains
+
+EVAL = {"seq_len": 64, "eval_sequences": 16, "points": 3, "activation_sequences": 16}
+
+
+def test_a_start_replaces_another_only_when_clearly_lower():
+    """The rule: lower by more than the margin and by more than twice the standard error of
+    the paired per-sequence differences."""
+    gen = torch.Generator().manual_seed(0)
+    current = 4 + torch.rand(16, generator=gen, dtype=torch.float64)
+    noise = 0.001 * torch.randn(16, generator=gen, dtype=torch.float64)
+    assert not clearly_lower(current, current - CLEAR_MARGIN / 2 + noise)[0]  # too small
+    assert clearly_lower(current, current - 0.5 + noise)[0]
+    spread = torch.tensor([1.0, -1.0] * 8, dtype=torch.float64)  # mean 0.1 lower, SE 0.26
+    kept, figures = clearly_lower(current, current - 0.1 + spread)
+    assert not kept and figures["threshold"] > 0.1 and figures["lower_by"] == pytest.approx(0.1)
+    assert not clearly_lower(current, current + 0.5)[0]  # higher
+
+
+def run(models: list[Path], tmp_path: Path, name: str, method="lmc_dm", **alignment):
+    recipe = {
+        "merge_method": method,
+        "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in models],
+        "dtype": "float32",
+    }
+    if method == "lmc_dm":
+        recipe["alignment"] = {"steps": 0, **EVAL, **alignment}
+    path = tmp_path / f"{name}.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / name
+    result = CliRunner().invoke(mergekit_yaml_main, [str(path), str(out)])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    found = {}
+    for shard in folder.glob("*.safetensors"):
+        found |= load_file(shard)
+    return found
+
+
+def config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gemma3_and_finetune(zoo_root, tmp_path_factory):
+    """A tied Gemma 3 zoo model (post-norms: its stream admits signed permutations only) and
+    a short fine-tune of it on the King James Bible."""
+    from lmc_mergekit.zoo import build_zoo_model
+    from lmc_mergekit.zoo.finetune import finetune
+
+    settings = {**SMALL_ZOO, "arch": "gemma3"}
+    base = build_zoo_model(zoo_root, **settings, tied=True, progress=False)
+    bible = next(f for f in bundled_text_files() if "kjv" in f.name)
+    data = DataConfig(source=str(bible), seq_len=64)
+    out = tmp_path_factory.mktemp("finetune") / "kjv"
+    return base, finetune(base, out, data, steps=20, lr=1e-3, progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("matching", ["weights", "activations", "auto"])
+def test_a_tied_post_norm_base_and_its_finetune_merge_as_linear_writes_them(
+    gemma3_and_finetune, tmp_path, matching
+):
+    pair = list(gemma3_and_finetune)
+    assert config(pair[0])["tie_word_embeddings"] and config(pair[1])["tie_word_embeddings"]
+    out, output = run(pair, tmp_path, "dm", matching=matching)
+    linear, _ = run(pair, tmp_path, "linear", method="linear")
+    merged, plain = tensors(out), tensors(linear)
+    assert merged.keys() == plain.keys() and "lm_head.weight" not in merged
+    assert all(torch.equal(merged[k], plain[k]) for k in merged)
+    assert config(out)["tie_word_embeddings"]
+    report = json.loads((out / "lmc_report.json").read_text())
+    record = report["matching"][0]
+    assert report["one_basin"] and record["matching"] == "kept" and record["units_moved"] == 0
+    assert report["tied_embeddings"] == {"kept": True, "added_parameters": 0, "added_bytes": 0}
+    assert "tied embeddings kept" in output and "already sit in one basin" in output
+    # The raw mix at ½ scores no worse than the models: no matching is even run.
+    assert record["scores"]["kept"] <= record["scores"]["endpoints"] + CLEAR_MARGIN
+    assert "not run" in record["decision"] and record["tried"] == {}
+
+
+@pytest.mark.slow
+def test_an_untie_that_buys_nothing_is_ignored_and_said(gemma3_and_finetune, tmp_path):
+    """Untying a post-norm family's head widens no symmetry: the tie is kept, with one line
+    saying why (printed, in the report and on the card)."""
+    from lmc_mergekit.models.adapters import open_model
+
+    assert not untying_gains(open_model(gemma3_and_finetune[0]).spec)
+    out, output = run(list(gemma3_and_finetune), tmp_path, "dm", tied_embeddings="untie")
+    line = next(line for line in output.splitlines() if "untie ignored" in line)
+    assert "signed permutations only" in line and "buy nothing" in line
+    assert config(out)["tie_word_embeddings"] and "lm_head.weight" not in tensors(out)
+    report = json.loads((out / "lmc_report.json").read_text())
+    assert report["tied_embeddings"]["kept"] and report["tied_embeddings"]["untie_ignored"] == line
+    assert "untie ignored" in (out / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def tied_llama_seeds(zoo_root) -> list[Path]:
+    """Two tied Llama zoo models trained from different seeds."""
+    from lmc_mergekit.zoo import build_zoo
+
+    return build_zoo(
+        zoo_root, seeds=(0, 1), progress=False, **{**SMALL_ZOO, "arch": "llama"}, tied=True
+    )
+
+
+@pytest.mark.slow
+def test_tied_models_from_different_seeds_are_aligned_and_stay_tied(tied_llama_seeds, tmp_path):
+    """Independently trained models are never one basin: a matching is kept (it lowers their
+    mix clearly); a recipe without ``tied_embeddings`` keeps the tie and the inputs' size."""
+    out, output = run(tied_llama_seeds, tmp_path, "dm")
+    report = json.loads((out / "lmc_report.json").read_text())
+    record = report["matching"][0]
+    assert not report["one_basin"] and record["matching"] in ("weights", "activations")
+    assert record["scores"]["kept"] - record["scores"][record["matching"]] > CLEAR_MARGIN
+    assert record["units_moved"] > 10
+    pair = report["pairs"][0]
+    assert pair["matched"]["barrier"] < pair["raw"]["barrier"] - CLEAR_MARGIN
+    assert config(out)["tie_word_embeddings"] and "lm_head.weight" not in tensors(out)
+    sizes = {name: t.shape for name, t in tensors(out).items()}
+    assert sizes == {name: t.shape for name, t in tensors(tied_llama_seeds[0]).items()}
+    assert "tied embeddings kept" in output
