@@ -70,6 +70,7 @@ def measure(a: Path, b: Path, keep_tie: bool) -> dict:
         )
         for kind in KINDS
     }
+    scorer.score("kept", None)
     row = {"kept_barrier": scorer.barrier("kept")}
     for kind, (transform, _) in found.items():
         scorer.score(kind, transform)
