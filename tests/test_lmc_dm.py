@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from lmc_mergekit.cli import main
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+from lmc_mergekit.evaluation.barrier import interpolation_losses
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 
@@ -69,16 +70,28 @@ def test_weight_matching_lowers_the_barrier(weight_matched):
     assert f"{raw:.3f}" in card and f"{aligned:.3f}" in card
 
 
-def test_merged_model_loss_equals_the_path_at_its_weights(weight_matched, trained_pair):
-    report = json.loads((weight_matched / "lmc_report.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(weight_matched).float().eval()
-    tokenizer = load_tokenizer(list(trained_pair))
-    sequences = load_split(DataConfig(seq_len=EVAL["seq_len"]), tokenizer, "test", 64)
+def test_the_report_equals_a_full_evaluation_of_every_path(trained_pair, tmp_path):
+    """Each function is evaluated once (the moved endpoints are the raw path's, the merged
+    model is the matched path's midpoint), and every figure equals what evaluating each path
+    point on its own gives: the mixes of the prepared checkpoints and the merged model as
+    transformers loads it."""
+    recipe = pair_recipe(*trained_pair, points=3, eval_sequences=16)
+    out = tmp_path / "merged"
+    assert run_recipe(recipe, tmp_path, out).exit_code == 0
+    report = json.loads((out / "lmc_report.json").read_text())
+    assert len(report["reused"]) == 2 and "merged model's own loss" in report["reused"][1]
+    sequences = load_split(
+        DataConfig(seq_len=EVAL["seq_len"]), load_tokenizer(list(trained_pair)), "test", 16
+    )
+    prepared = sorted((tmp_path / "lmc-cache" / "lmc_dm").glob("*/model-*"))
+    pair = report["pairs"][0]
+    for kind, (a, b) in (("raw", trained_pair), ("matched", prepared)):
+        full = interpolation_losses(a, b, sequences, points=3)
+        assert pair[kind]["losses"] == pytest.approx(list(full.losses), abs=1e-4), kind
+    model = AutoModelForCausalLM.from_pretrained(out).float().eval()
     loss = mean_token_loss(model, sequences).loss
-    aligned = report["pairs"][0]["matched"]
-    at_half = aligned["losses"][aligned["lambdas"].index(0.5)]
-    assert loss == pytest.approx(at_half, abs=1e-4)
-    assert report["merged"]["test_loss"] == pytest.approx(loss, abs=1e-6)
+    assert report["merged"]["test_loss"] == pytest.approx(loss, abs=1e-5)
+    assert pair["matched"]["losses"][1] == report["merged"]["test_loss"]
 
 
 def test_unaligned_baseline_reports_the_raw_path_only(trained_pair, tmp_path):

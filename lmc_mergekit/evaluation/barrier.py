@@ -8,6 +8,7 @@ linearly connected basin, large when their plain average is a worse model than e
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -89,6 +90,7 @@ def interpolation_losses(
     device: torch.device | str = "cpu",
     progress: bool = False,
     repair_on: torch.Tensor | None = None,
+    known: Mapping[float, float] | None = None,
 ) -> PathLoss:
     """``L(λ)`` on the grid. Where the family runs block by block, each mix is made part by
     part as it runs (:mod:`.blockwise`: one block of each endpoint and a group's residual
@@ -96,32 +98,36 @@ def interpolation_losses(
     for each λ, to ``lerp(A, B, λ)`` read from the two checkpoints a slice of rows at a time.
     Where one endpoint ties its LM head to its embeddings and the other does not, the path
     runs untied (the tied one's head is its embedding). With ``repair_on`` (calibration
-    sequences), each mix has its statistics repaired on them first (:mod:`lmc_mergekit.repair`)."""
+    sequences), each mix has its statistics repaired on them first (:mod:`lmc_mergekit.repair`).
+    ``known`` gives the losses of grid points already measured (the same function measured
+    elsewhere: an endpoint, a merged model): they are taken as they are, not evaluated again."""
     grid = lambda_grid(points)
+    given = (known or {}).items()
+    known = {g: loss for lam, loss in given for g in grid if abs(g - lam) < 1e-9}
+    todo = [lam for lam in grid if lam not in known]
     views = [open_model(Path(model_a)), open_model(Path(model_b))]
     _check_same_model(*views)
+    tokens = sequences.shape[0] * (sequences.shape[1] - 1)
+    bar = tqdm(todo, desc="loss along the path", disable=not progress, leave=False)
     if runs_blockwise(views[0]):
         device = torch.device(device)
         runner = BlockRunner(views[0].folder, views[0].adapter, views[0].spec, device)
-        losses = []
-        for lam in tqdm(grid, desc="loss along the path", disable=not progress, leave=False):
-            result = blockwise_loss(path_mix(*views, lam, runner, repair_on), runner, sequences)
-            losses.append(result.loss)
-        return PathLoss(lambdas=grid, losses=tuple(losses), tokens=result.tokens)
-    if repair_on is not None:
-        raise LmcError(
-            f"a statistics repair runs block by block, which {views[0].spec.architecture} "
-            "checkpoints of this kind cannot; set repair: false"
-        )
-    a, b, untied = endpoint_readers(*views)
-    model = load_fp32(Path(model_a), untie=untied).to(device)
-    ends = _Endpoints(model, a, b)
-    losses = []
-    for lam in tqdm(grid, desc="loss along the path", disable=not progress, leave=False):
-        ends.interpolate(lam)
-        result = mean_token_loss(model, sequences, batch_size=batch_size)
-        losses.append(result.loss)
-    return PathLoss(lambdas=grid, losses=tuple(losses), tokens=result.tokens)
+        for lam in bar:
+            mix = path_mix(*views, lam, runner, repair_on)
+            known[lam] = blockwise_loss(mix, runner, sequences).loss
+    elif todo:
+        if repair_on is not None:
+            raise LmcError(
+                f"a statistics repair runs block by block, which {views[0].spec.architecture} "
+                "checkpoints of this kind cannot; set repair: false"
+            )
+        a, b, untied = endpoint_readers(*views)
+        model = load_fp32(Path(model_a), untie=untied).to(device)
+        ends = _Endpoints(model, a, b)
+        for lam in bar:
+            ends.interpolate(lam)
+            known[lam] = mean_token_loss(model, sequences, batch_size=batch_size).loss
+    return PathLoss(lambdas=grid, losses=tuple(known[lam] for lam in grid), tokens=tokens)
 
 
 #: Elements of one endpoint slice read at a time (rows of a large tensor).

@@ -97,12 +97,9 @@ def blockwise_loss(
     ``(n, L)``, run block by block through ``runner``, ``batch_size`` sequences through a
     block at a time (float32 logits, summed, divided once by the token count: what
     :func:`~lmc_mergekit.evaluation.loss.mean_token_loss` computes)."""
-    total, head = 0.0, None
-    for ids, residual in final_streams(view, runner, sequences, batch_size, progress):
-        head = view.head() if head is None else head  # read (or mixed) once
-        total += summed_loss(head, view.spec, residual, ids)
+    sums = _summed_losses(view, runner, sequences, batch_size, progress, per_sequence=False)
     tokens = sequences.shape[0] * (sequences.shape[1] - 1)
-    return LossResult(loss=total / tokens, tokens=tokens)
+    return LossResult(loss=sum(sums, 0.0) / tokens, tokens=tokens)
 
 
 @torch.no_grad()
@@ -112,12 +109,19 @@ def sequence_losses(
     """Per sequence of ``sequences`` ``(n, L)``, the mean next-token cross-entropy of
     ``view``'s model (float64 ``(n,)``): what a paired comparison of two models on the same
     text needs (the spread of their per-sequence differences)."""
-    losses, head = [], None
-    for ids, residual in final_streams(view, runner, sequences, batch_size):
-        head = view.head() if head is None else head
-        for row in range(len(ids)):
-            losses.append(summed_loss(head, view.spec, residual[row : row + 1], ids[row : row + 1]))
-    return torch.tensor(losses, dtype=torch.float64) / (sequences.shape[1] - 1)
+    sums = _summed_losses(view, runner, sequences, batch_size, False, per_sequence=True)
+    return torch.tensor(sums, dtype=torch.float64) / (sequences.shape[1] - 1)
+
+
+def _summed_losses(view, runner, sequences, batch_size, progress, per_sequence) -> list[float]:
+    """Summed next-token losses of ``view``'s model: one per group of sequences run at once,
+    or one per sequence (``per_sequence``)."""
+    sums, head = [], None
+    for ids, residual in final_streams(view, runner, sequences, batch_size, progress):
+        head = view.head() if head is None else head  # read (or mixed) once
+        rows = [slice(r, r + 1) for r in range(len(ids))] if per_sequence else [slice(None)]
+        sums += [summed_loss(head, view.spec, residual[r], ids[r]) for r in rows]
+    return sums
 
 
 def final_streams(

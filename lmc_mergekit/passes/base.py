@@ -211,8 +211,8 @@ class MeasureContext(StageContext):
     prepared checkpoint of each input and the pass's record, the merged model, the comparison
     merges it declared, the test split (None when the recipe does not evaluate; tokenised for
     the merged model), a scratch folder (removed afterwards), the folder for files that go next
-    to the merged model, the test split as any one checkpoint tokenises it, and what the
-    finishing step did to the merged model."""
+    to the merged model, the test split as any one checkpoint tokenises it, what the
+    finishing step did to the merged model, and each input's weight in it."""
 
     prepared: tuple[Path, ...]
     preparation: Record
@@ -225,6 +225,9 @@ class MeasureContext(StageContext):
     split_for: Callable[[Path], Split]
     #: The finishing step's record (None where it has none or did nothing).
     finished: Record | None = None
+    #: Each input's weight in the weighted average the merge is (None where weights are not
+    #: one number per model).
+    weights: tuple[float, ...] | None = None
 
 
 class Report(Record):

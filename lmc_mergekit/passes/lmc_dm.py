@@ -432,6 +432,8 @@ class AlignmentReport(Report):
     tied_embeddings: TieRecord | None = None
     one_basin: bool = False
     repair: RepairRecord | None = None
+    #: Losses taken from another measurement of the same function, not evaluated again.
+    reused: list[str] = Field(default_factory=list)
 
     def card_section(self) -> str:
         """Markdown on the tie of tied inputs and on inputs that already sat in one basin, and
@@ -637,29 +639,64 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
         repair_on = load_recipe_split(
             ctx.inputs, settings, "train", settings.repair_sequences
         ).sequences
+    merged = model_test_loss(ctx.merged, ctx.test, ctx.options)
+    report.merged = MergedLoss(test_loss=merged, tokens=ctx.test.record.tokens)
+    # Each distinct function is evaluated once: the moved endpoints are checked symmetries of
+    # their inputs (the raw path's endpoints), the merged model is a point of its path.
+    final, on_path = list(folders)[-1], merge_lambda(ctx, settings)
+    ends: dict[int, float] = {}
     curves = {}
     for index in range(1, len(ctx.inputs)):
         paths = {}
-        for kind, ends in folders.items():
+        for kind, models in folders.items():
+            known = {0.0: ends[0]} if 0 in ends else {}
+            if index in ends:
+                known[1.0] = ends[index]
+            if kind == final and on_path is not None:
+                known[on_path] = merged
             paths[kind] = interpolation_losses(
-                ends[0],
-                ends[index],
+                models[0],
+                models[index],
                 ctx.test.sequences,
                 points=settings.points,
                 device=pass_device(ctx.options),
                 progress=ctx.progress,
                 repair_on=repair_on if kind == "repaired" else None,
+                known=known,
             )
+            ends[0], ends[index] = paths[kind].endpoint_losses
             label = path_label(kind, preparation.matching)
             curves[label if len(ctx.inputs) == 2 else f"{label}, 1→{index + 1}"] = paths[kind]
         report.pairs.append(PairPaths(a=str(ctx.inputs[0]), b=str(ctx.inputs[index]), **paths))
-    report.merged = MergedLoss(
-        test_loss=model_test_loss(ctx.merged, ctx.test, ctx.options),
-        tokens=ctx.test.record.tokens,
-    )
+    report.reused = reused_losses(folders, final, on_path)
     report.seconds["evaluation"] = round(time.perf_counter() - started, 3)
     plot_paths(ctx.files / PLOT_FILE, curves, "lmc_dm: test loss along the path")
     return report
+
+
+def merge_lambda(ctx: MeasureContext, settings: AlignmentSettings) -> float | None:
+    """Where on its path the merged model of two inputs lies (the second's weight), where it
+    is their weighted average; None for more inputs, other weights or another method."""
+    weights = ctx.weights
+    if settings.combine is not None or weights is None or len(weights) != 2:
+        return None
+    return weights[1] if abs(sum(weights) - 1) < 1e-9 else None
+
+
+def reused_losses(folders: dict, final: str, on_path: float | None) -> list[str]:
+    """What the evaluation took from elsewhere instead of evaluating again, in words."""
+    notes = []
+    if len(folders) > 1:
+        notes.append(
+            f"the endpoints of the {', '.join(list(folders)[1:])} path(s) are the raw path's: "
+            "each moved input is a checked symmetry of its source (the same logits)"
+        )
+    if on_path is not None:
+        notes.append(
+            f"the {final} path at λ = {on_path:g} is the merged model's own loss (the "
+            "checkpoint as written, in its dtype)"
+        )
+    return notes
 
 
 def _weight_matched(ctx: MeasureContext) -> tuple[Path, ...]:

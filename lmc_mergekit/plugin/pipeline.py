@@ -58,7 +58,7 @@ from lmc_mergekit.plugin.mergekit_hooks import (
     without_torch_dtype_notice,
 )
 from lmc_mergekit.plugin.methods import PluginMethod
-from lmc_mergekit.plugin.recipe import Recipe, plain_weights, read_recipe
+from lmc_mergekit.plugin.recipe import Recipe, average_weights, plain_weights, read_recipe
 from lmc_mergekit.plugin.resolve import LocalModels, resolve_models
 from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
 from lmc_mergekit.runtime.locks import entry_lock
@@ -397,6 +397,7 @@ def _measure_into(
                 files=work,
                 split_for=_split_for(recipe),
                 finished=finished,
+                weights=average_weights(recipe.config),
             )
         )
         report.write(work / report_file)

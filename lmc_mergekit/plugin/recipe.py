@@ -146,6 +146,15 @@ def plain_weights(config: MergeConfiguration) -> tuple[float, ...] | None:
     return tuple(w / sum(weights) for w in weights)
 
 
+def average_weights(config: MergeConfiguration) -> tuple[float, ...] | None:
+    """Each model's weight in the weighted average a plugin method's merge writes (normalised
+    unless the recipe sets ``normalize: false``); None where some weight is not one number."""
+    if (config.parameters or {}).get("normalize", True):
+        return plain_weights(config)
+    weights = _weights(config)
+    return None if weights is None else tuple(float(w) for w in weights)
+
+
 def _check_weights(config: MergeConfiguration, method: str) -> None:
     """Plain weights that sum to zero under ``normalize`` (the default) would make every tensor
     0/0: refused before the pre-merge pass runs."""
