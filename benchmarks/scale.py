@@ -126,7 +126,9 @@ def recipe(kind: str, a: Path, b: Path, args) -> dict:
             "merge_method": "lmc_dm",
             "models": both,
             "dtype": "float32",
+            # Random models look like one basin: the check would keep them as they are.
             "alignment": {"matching": matching, "steps": 0, "evaluate": False}
+            | {"one_basin_check": False}
             | ({"max_iterations": args.rounds} if args.rounds else {}),
         }
     if kind == "subclone":

@@ -229,3 +229,20 @@ def test_what_a_qk_norm_leaves_is_exact_and_nothing_more(model_dirs, tmp_path, v
         layers = (LayerTransform(qk=maps),) * spec.num_layers
         with pytest.raises(LmcError, match=reason):
             apply_transform(view, Transform(spec.num_layers, layers=layers))
+
+
+@pytest.mark.parametrize("kind", ["qk", "ov"])
+def test_half_precision_head_maps_are_inverted_in_float32(model_dirs, kind):
+    """Under CUDA's bf16 autocast the learned head maps reach the action in bf16 (the CPU's
+    autocast inverts in float32 by itself, so only this test sees it): they act as their
+    float32 values would, rather than failing in ``linalg.inv``."""
+    from lmc_mergekit.symmetry.actions import apply_ov_maps, apply_qk_maps
+
+    view = open_model(model_dirs["llama_gqa_tied"])
+    spec, attn = view.spec, view.block(0).attn
+    maps = random_rope_maps(spec.num_kv_heads, spec.head_dim, spec.rotary_dims, generator())
+    half = maps.to(torch.bfloat16)
+    act = apply_qk_maps if kind == "qk" else apply_ov_maps
+    got, expected = act(attn, spec, half), act(attn, spec, half.float())
+    for name in ("q", "k", "v", "o"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name))

@@ -233,14 +233,14 @@ class _FrozenHead(torch.autograd.Function):
         ctx.save_for_backward(weight)
         ctx.dtype = states.dtype
         rows = torch.split(weight, HEAD_ROWS)
-        return torch.cat([states @ r.to(states.dtype).T for r in rows], dim=-1)
+        return torch.cat([states @ r.to(states.device, states.dtype).T for r in rows], dim=-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (weight,) = ctx.saved_tensors
         rows = torch.split(weight, HEAD_ROWS)
         grads = torch.split(grad, HEAD_ROWS, dim=-1)
-        total = sum(g @ r.to(ctx.dtype) for g, r in zip(grads, rows, strict=True))
+        total = sum(g @ r.to(g.device, ctx.dtype) for g, r in zip(grads, rows, strict=True))
         return total, None
 
 
@@ -254,12 +254,14 @@ def soft_capped(logits: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 def embed(embeddings: Embeddings, input_ids: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     """The residual stream entering the first block: token embeddings (times the family's
     multiplier) and learned positions, in float32 at least (a half-precision product would
-    round the stream before the first block)."""
-    residual = embeddings.tokens[input_ids]
+    round the stream before the first block), on the device of ``input_ids``. Rows are picked
+    where the table lies: a vocabulary read to the CPU is never copied whole to the GPU."""
+    table = embeddings.tokens
+    residual = table[input_ids.to(table.device)].to(input_ids.device)
     if residual.dtype in (torch.bfloat16, torch.float16):
         residual = residual.float()
     if spec.embedding_multiplier != 1.0:
         residual = residual * spec.embedding_multiplier
     if embeddings.positions is not None:
-        residual = residual + embeddings.positions[: input_ids.shape[-1]]
+        residual = residual + embeddings.positions[: input_ids.shape[-1]].to(residual.device)
     return residual

@@ -344,11 +344,19 @@ def permute_ffn(mlp: MLP, perm: torch.Tensor) -> MLP:
     )
 
 
+def _invertible(maps: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``maps`` in a dtype ``linalg.inv`` takes and no coarser than the weights they act on:
+    CUDA's bf16 autocast hands learned maps over in bf16 (the CPU's inverts in float32)."""
+    dtype = torch.promote_types(torch.promote_types(maps.dtype, weight.dtype), torch.float32)
+    return maps.to(dtype)
+
+
 def apply_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
     """``q ← q·M_j`` for every query head of group ``j`` and ``k_j ← k_j·M_j⁻ᵀ``."""
     if spec.qk_norm != "none":
         return _apply_normed_qk_maps(attn, spec, maps)
     hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
+    maps = _invertible(maps, attn.q)
     inv = torch.linalg.inv(maps)
     q = torch.einsum("jba,jgbd->jgad", maps, attn.q.reshape(hkv, g, dh, -1))
     k = torch.einsum("jab,jbd->jad", inv, attn.k.reshape(hkv, dh, -1))
@@ -400,6 +408,7 @@ def _apply_normed_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) 
 def apply_ov_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
     """``v_j ← v_j·N_j`` and every output block of group ``j`` by ``N_j⁻ᵀ``."""
     hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
+    maps = _invertible(maps, attn.v)
     inv = torch.linalg.inv(maps)
     v = torch.einsum("jba,jbd->jad", maps, attn.v.reshape(hkv, dh, -1))
     d = attn.o.shape[0]
