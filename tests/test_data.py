@@ -21,6 +21,7 @@ from lmc_mergekit.data import (
     iter_texts,
     load_split,
     load_tokenizer,
+    sample_split,
     split_of,
 )
 from lmc_mergekit.data import sequences as sequences_module
@@ -284,6 +285,40 @@ def test_bad_split_and_sequence_length(tokenizer):
         load_split(DataConfig(), tokenizer, "dev")
     with pytest.raises(LmcError, match="sequence length 1 is too short"):
         DataConfig(seq_len=1)
+
+
+def test_a_spread_sample_reads_every_text_in_equal_interleaved_shares(tmp_path, tokenizer):
+    books = [b.read_text(encoding="utf-8")[:20_000] for b in bundled_text_files()[:2]]
+    paths = [str(write(tmp_path / f"{n}.txt", book)) for n, book in enumerate(books)]
+    config = DataConfig(source=paths, seq_len=16)
+    sequences, read = sample_split(config, tokenizer, "train", 10)
+    assert read == [(paths[0], 5), (paths[1], 5)]
+    own = [
+        {
+            tuple(s)
+            for s in load_split(DataConfig(source=p, seq_len=16), tokenizer, "train").tolist()
+        }
+        for p in paths
+    ]
+    rows = [tuple(s) for s in sequences.tolist()]
+    source = [0 if s in own[0] else 1 if s in own[1] else None for s in rows]
+    assert source == [0, 1] * 5  # every batch mixes the texts
+    # Each share is spread over its text, not its first sequences.
+    first = load_split(DataConfig(source=paths[0], seq_len=16), tokenizer, "train", 5)
+    assert not torch.equal(sequences[0::2], first)
+    assert sequences[0::2].tolist()[0] == first.tolist()[0]
+    # The default is the bundled corpus: each of its files gets a share.
+    _, bundled = sample_split(DataConfig(seq_len=16), tokenizer, "train", 7)
+    assert [name for name, _ in bundled] == [p.name for p in bundled_text_files()]
+    assert sum(count for _, count in bundled) == 7
+
+
+def test_a_list_of_sources_reads_one_after_another(tmp_path, tokenizer):
+    a, b = write(tmp_path / "a.txt", "one two three\n"), write(tmp_path / "b.txt", "four five\n")
+    assert list(iter_texts([str(a), str(b)])) == ["one two three\n", "four five\n"]
+    assert DataConfig(source=[str(a), str(b)]).describe() == f"{a}, {b}"
+    with pytest.raises(LmcError, match="does not exist"):
+        iter_texts([str(a), str(tmp_path / "missing.txt")])
 
 
 def test_describe():

@@ -29,7 +29,13 @@ from lmc_mergekit.models.adapters.llama import LlamaAdapter
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import ModelSpec, materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
-from lmc_mergekit.subclone.compensation import RidgeFit
+from lmc_mergekit.subclone.compensation import (
+    RIDGE_GRID,
+    SELECTION,
+    RidgeFit,
+    RidgeSolution,
+    held_out_ridge,
+)
 from lmc_mergekit.subclone.convert import ConversionConfig, convert_model
 from lmc_mergekit.subclone.target import kept_layers, plan_rotary, resolve_target
 
@@ -394,6 +400,35 @@ def test_ridge_fit_recovers_a_linear_map_with_bias():
     mean_x = fit.gram[-1, :5] / fit.rows  # the bias column's row of XᵀX: sums of the features
     mean_y = fit.cross[-1] / fit.rows
     assert torch.allclose(held.bias, mean_y - start @ mean_x, atol=1e-5)
+
+
+def test_a_held_out_ridge_generalizes_where_the_plain_fit_overfits():
+    # 40 features fitted from 60 noisy rows: the nearly unregularised refit fits the noise.
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(3, 40, generator=generator)
+
+    def sample(rows: int) -> RidgeFit:
+        fit = RidgeFit(40, 3, bias=False, device=CPU)
+        x = torch.randn(rows, 40, generator=generator)
+        fit.add(x, x @ weight.T + 4 * torch.randn(rows, 3, generator=generator))
+        return fit
+
+    fit, held, fresh = sample(60), sample(60), sample(2000)
+    start = torch.zeros(3, 40, dtype=torch.float64)
+    strength, errors = held_out_ridge(fit, held, start)
+    assert errors[SELECTION] == pytest.approx(held.error(RidgeSolution(start, None, 0, 0)), 1e-6)
+    assert errors[f"{strength:g}"] == min(errors.values()) < errors[f"{RIDGE_GRID[0]:g}"]
+    assert strength > RIDGE_GRID[0]
+    # On rows neither saw, the chosen strength beats the plain fit.
+    assert fresh.error(fit.solve(strength, start)) < fresh.error(fit.solve(RIDGE_GRID[0], start))
+
+
+def test_the_recipe_chooses_each_ridge_on_held_out_calibration(shallower):
+    fit = shallower[True]["conversion"]["layers"][0]["fits"]["joint"]
+    errors = fit["held_out_error"]
+    chosen = fit["ridge"] if fit["ridge"] == SELECTION else f"{fit['ridge']:g}"
+    assert errors[chosen] == min(errors.values()) <= errors[f"{RIDGE_GRID[0]:g}"]
+    assert fit["tokens"] == 64 * 64  # held-out batches are fitted too, once the ridge is chosen
 
 
 def test_residual_channels_follow_activation_variance(tmp_path):

@@ -8,6 +8,7 @@ from lmc_mergekit.data.sequences import (
     DataConfig,
     iter_sequences,
     load_split,
+    sample_split,
     split_of,
 )
 from lmc_mergekit.data.sources import iter_texts
@@ -32,6 +33,7 @@ __all__ = [
     "iter_texts",
     "load_split",
     "load_tokenizer",
+    "sample_split",
     "shared_tokenizer",
     "shares_tokenizer",
     "split_of",

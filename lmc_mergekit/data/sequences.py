@@ -11,12 +11,13 @@ random state to carry around.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmc_mergekit.data.sources import iter_texts
+from lmc_mergekit.data.sources import Source, iter_texts, source_parts
 from lmc_mergekit.data.tokenizer import text_affixes
 from lmc_mergekit.errors import LmcError
 
@@ -25,6 +26,8 @@ BLOCK = 8
 # Of every 10 blocks: block 0 is test, block 1 validation, the other 8 train.
 SPLIT_OF_BLOCK = ("test", "validation", *("train",) * 8)
 TOKENIZE_PIECE_CHARS = 100_000
+#: A spread sample reads at most this many times the sequences it keeps from each text.
+SPREAD_READ = 16
 
 
 def split_of(index: int) -> str:
@@ -117,16 +120,23 @@ def _body_len(seq_len: int, prefix: list[int]) -> int:
 class DataConfig:
     """Which text to use and how to cut it: ``source`` as for :func:`iter_texts`."""
 
-    source: str | None = None
+    source: Source = None
     field: str = "text"
     seq_len: int = 128
 
     def __post_init__(self) -> None:
         _check_seq_len(self.seq_len)
+        if isinstance(self.source, list):
+            object.__setattr__(self, "source", tuple(self.source))
 
     def describe(self) -> str:
         """A short human description of the data, e.g. ``bundled corpus``."""
-        name = "bundled corpus" if self.source is None else str(self.source)
+        if self.source is None:
+            name = "bundled corpus"
+        elif isinstance(self.source, tuple):
+            name = ", ".join(map(str, self.source))
+        else:
+            name = str(self.source)
         return name if self.field == "text" else f"{name} (field {self.field!r})"
 
 
@@ -169,3 +179,27 @@ def load_split(
             "tokens of text or a smaller --seq-len"
         )
     return torch.tensor(chosen, dtype=torch.long)
+
+
+def sample_split(
+    config: DataConfig, tokenizer: Any, split: str, most: int
+) -> tuple[torch.Tensor, list[tuple[str, int]]]:
+    """Up to ``most`` sequences of ``split`` drawn from every text of ``config.source`` (each
+    source of a list, each file of the bundled corpus) in equal shares, each share evenly spaced
+    over the first :data:`SPREAD_READ` times as many sequences of that text's split, and
+    interleaved so that every batch mixes the texts; with each text's name and count. A
+    calibration read this way represents all it is given, not the first pages of its first
+    book."""
+    parts = source_parts(config.source)
+    shares = [most // len(parts) + (i < most % len(parts)) for i in range(len(parts))]
+    chosen: list[torch.Tensor] = []
+    read: list[tuple[str, int]] = []
+    for part, share in zip(parts, shares, strict=True):
+        if share == 0:
+            continue
+        sequences = load_split(replace(config, source=part), tokenizer, split, share * SPREAD_READ)
+        index = torch.linspace(0, len(sequences) - 1, min(share, len(sequences))).round().long()
+        chosen.append(sequences[index])
+        read.append((part.name if isinstance(part, Path) else str(part), len(index)))
+    order = sorted((j / len(c), t, j) for t, c in enumerate(chosen) for j in range(len(c)))
+    return torch.stack([chosen[t][j] for _, t, j in order]), read

@@ -7,6 +7,7 @@ as one document), JSON Lines line by line, and ``datasets`` datasets row by row.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,10 +30,24 @@ REFUSED_SUFFIXES = {
 }
 
 
-def data_fingerprint(source: str | Path | None, field: str = "text") -> str:
+#: Text a method reads: one source (a path, ``hf:NAME``), several, or None (the bundled corpus).
+Source = str | Path | list | tuple | None
+
+
+def source_parts(source: Source) -> list[str | Path]:
+    """The texts a calibration mixes: each source of a list, each file of the bundled corpus,
+    or the one source."""
+    if source is None:
+        return list(bundled_text_files())
+    return list(source) if isinstance(source, list | tuple) else [source]
+
+
+def data_fingerprint(source: Source, field: str = "text") -> str:
     """A short hex key of the text ``source`` names: the bundled corpus (file names and sizes),
     a Hub dataset's name, or the path, field and every file's name, size and modification
-    time."""
+    time (of each source, for several)."""
+    if isinstance(source, list | tuple):
+        return content_key({"sources": [data_fingerprint(s, field) for s in source]}, 12)
     if source is None:
         payload: dict = {"bundled": [[p.name, p.stat().st_size] for p in bundled_text_files()]}
     elif str(source).startswith(HUB_PREFIX):  # a Hub dataset: only its name is known here
@@ -52,16 +67,18 @@ def data_fingerprint(source: str | Path | None, field: str = "text") -> str:
     return content_key(payload, 12)
 
 
-def iter_texts(source: str | Path | None, field: str = "text") -> Iterator[str]:
+def iter_texts(source: Source, field: str = "text") -> Iterator[str]:
     """Yield the documents of ``source``, streaming.
 
     ``source`` is ``None`` (the bundled corpus), a text file, a ``.jsonl`` file (``obj[field]``
     of each line), a folder saved by ``datasets``' ``save_to_disk`` (``row[field]``), any other
     folder (its ``*.txt``, ``*.md`` and ``*.jsonl`` files, recursively, sorted by relative path),
-    or ``hf:NAME[:SPLIT]`` (a Hub dataset, streamed). Bad input raises a one-line
-    :class:`LmcError`.
+    ``hf:NAME[:SPLIT]`` (a Hub dataset, streamed), or a list of these (one after another). Bad
+    input raises a one-line :class:`LmcError`.
     """
     # Not a generator itself, so that a wrong path fails at the call rather than on first use.
+    if isinstance(source, list | tuple):
+        return itertools.chain.from_iterable([iter_texts(s, field) for s in source])
     if source is None:
         return _iter_bundled()
     if isinstance(source, str) and source.startswith(HUB_PREFIX):

@@ -75,10 +75,10 @@ class TextSettings(Section):
 
     measure_only: ClassVar[tuple[str, ...]] = ("evaluate", "eval_sequences")
 
-    data: str | None = Field(
+    data: str | list[str] | None = Field(
         None,
-        description="calibration and evaluation text (file, folder, .jsonl, datasets folder; "
-        "default: the bundled corpus)",
+        description="calibration and evaluation text (file, folder, .jsonl, datasets folder, "
+        "hf:NAME, or a list of these; default: the bundled corpus)",
     )
     field: str = Field("text", description="text field of JSON Lines or datasets rows")
     seq_len: int = Field(128, ge=2, description="tokens per sequence")

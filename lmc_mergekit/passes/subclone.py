@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -79,8 +79,10 @@ class SubcloneSettings(TextSettings):
     selection: Literal["weight_norm", "random"] = Field(
         "weight_norm", description="rank heads, dims and units by weight norm, or at random"
     )
-    ridge: float = Field(
-        0.01, gt=0, description="ridge strength relative to the mean feature energy"
+    ridge: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="ridge strength relative to the mean feature energy, or auto: chosen per "
+        "fit on held-out calibration batches",
     )
     seed: int = Field(0, ge=0, description="seed of the random selection")
     calibration_sequences: int = Field(
@@ -215,7 +217,9 @@ def prepare(ctx: PassContext) -> SubclonePreparation | None:
     )
     check_convertible(views[0].spec, config)
     # Data before any heavy work, so missing or short text fails first.
-    calibration = load_recipe_split(ctx.inputs, settings, "train", settings.calibration_sequences)
+    calibration = load_recipe_split(
+        ctx.inputs, settings, "train", settings.calibration_sequences, spread=True
+    )
     if settings.compensate:
         _check_enough_tokens(targets[0][0], calibration.record, settings)
     ctx.load_test()

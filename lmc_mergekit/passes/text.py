@@ -41,12 +41,19 @@ class Split:
 
 
 def load_recipe_split(
-    inputs: tuple[Path, ...], settings, split: str, most: int, fix: str | None = None
+    inputs: tuple[Path, ...],
+    settings,
+    split: str,
+    most: int,
+    fix: str | None = None,
+    spread: bool = False,
 ) -> Split:
     """Up to ``most`` sequences of ``split`` of the section's ``data`` (``field``, ``seq_len``)
     through the first input's tokenizer, which the others' must agree with; ``fix`` is appended
-    to a missing-tokenizer error (how to do without this data, where one can)."""
-    from lmc_mergekit.data import DataConfig, load_split, shared_tokenizer
+    to a missing-tokenizer error (how to do without this data, where one can). ``spread``: an
+    equal share of every text given, spread over each (:func:`~lmc_mergekit.data.sample_split`;
+    the record names each text and its count), rather than the first ``most`` in corpus order."""
+    from lmc_mergekit.data import DataConfig, load_split, sample_split, shared_tokenizer
 
     try:
         shared = shared_tokenizer(inputs)
@@ -55,10 +62,15 @@ def load_recipe_split(
             raise
         raise LmcError(f"{error} (or {fix})") from None
     config = DataConfig(source=settings.data, field=settings.field, seq_len=settings.seq_len)
-    sequences = load_split(config, shared.tokenizer, split, most)
+    description = config.describe()
+    if spread:
+        sequences, read = sample_split(config, shared.tokenizer, split, most)
+        description += ": " + ", ".join(f"{name} ({count})" for name, count in read)
+    else:
+        sequences = load_split(config, shared.tokenizer, split, most)
     shared.check_ids(sequences)
     record = SplitRecord(
-        description=config.describe(),
+        description=description,
         split=split,
         sequences=int(sequences.shape[0]),
         seq_len=settings.seq_len,

@@ -8,6 +8,13 @@ to three decimals of test loss; where the selection is already exact, this one s
 It is solved in float64 from Gram matrices accumulated batch by batch (each batch's products
 in float32), so memory grows with the number of features, not of tokens. A constant feature
 fits a bias where the architecture has one; it is not shrunk.
+
+The strength is chosen from the data by default (:func:`held_out_ridge`): the fit is solved on
+most calibration batches at each strength of :data:`RIDGE_GRID`, scored on the batches held out,
+and the best strength (or the selected weights themselves, where no refit does better on text
+it was not fitted to) is solved again on every batch. A fit with more features than its tokens
+support, the ill-conditioned solve of a large width ratio, is thereby shrunk towards the
+selection instead of over-correcting.
 """
 
 from __future__ import annotations
@@ -17,6 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from lmc_mergekit.errors import LmcError
+
+#: Strengths (relative to the mean feature energy) a held-out choice tries.
+RIDGE_GRID = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+#: What a held-out choice records when no refit beats the selected weights.
+SELECTION = "selection"
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,37 @@ class RidgeFit:
             error_after=float(self._residual(solution) / centred),
         )
 
+    def absorb(self, other: RidgeFit) -> None:
+        """Add the rows ``other`` accumulated (its batches become this fit's)."""
+        self.gram += other.gram
+        self.cross += other.cross
+        self.energy += other.energy
+        self.total += other.total
+        self.rows += other.rows
+
+    def error(self, solution: RidgeSolution) -> float:
+        """The relative squared error of ``solution`` on this fit's rows."""
+        coef = solution.weight.T.to(self.gram)
+        if self.bias:
+            start = torch.zeros(coef.shape[1]) if solution.bias is None else solution.bias
+            coef = torch.cat([coef, start[None].to(self.gram)])
+        centred = (self.energy - (self.total**2).sum() / max(self.rows, 1)).clamp_min(1e-30)
+        return float(self._residual(coef) / centred)
+
     def _residual(self, coef: torch.Tensor) -> torch.Tensor:
         """``‖Y − X·coef‖²`` from the accumulated Gram matrices."""
         return self.energy - 2 * (coef * self.cross).sum() + (coef * (self.gram @ coef)).sum()
+
+
+def held_out_ridge(
+    fit: RidgeFit, held: RidgeFit, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[float | str, dict[str, float]]:
+    """The strength of :data:`RIDGE_GRID` whose fit on ``fit``'s rows has the least error on
+    ``held``'s, or :data:`SELECTION` where the selected ``weight`` (``bias``) does better than
+    every refit; with the held-out error of each candidate (keyed by strength)."""
+    selected = RidgeSolution(weight, bias, 0.0, 0.0)
+    errors = {SELECTION: held.error(selected)}
+    for strength in RIDGE_GRID:
+        errors[f"{strength:g}"] = held.error(fit.solve(strength, weight, bias))
+    best = min(errors, key=errors.get)
+    return (best if best == SELECTION else float(best)), {k: round(v, 6) for k, v in errors.items()}

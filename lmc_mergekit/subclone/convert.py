@@ -35,7 +35,12 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner, embed
 from lmc_mergekit.models.view import Block, Head, InMemoryView, ModelSpec, Norm
-from lmc_mergekit.subclone.compensation import RidgeFit, RidgeSolution
+from lmc_mergekit.subclone.compensation import (
+    SELECTION,
+    RidgeFit,
+    RidgeSolution,
+    held_out_ridge,
+)
 from lmc_mergekit.subclone.selection import (
     Ranker,
     select_block,
@@ -46,18 +51,23 @@ from lmc_mergekit.subclone.target import RotaryPlan, kept_layers
 
 # Residual-channel variance is estimated on at most this many calibration sequences.
 VARIANCE_SEQUENCES = 64
+#: With ``ridge: auto``, every this-many-th calibration batch is held out to choose the ridge.
+HOLD_OUT_EVERY = 4
+#: The strength used where too little calibration is left to hold any out.
+DEFAULT_RIDGE = 0.01
 
 
 @dataclass(frozen=True)
 class ConversionConfig:
     """How to convert: ``rescale`` is ``none``, ``o_down`` or ``all``; ``selection`` is
-    ``weight_norm`` or ``random``; ``ridge`` is λ relative to the mean feature energy."""
+    ``weight_norm`` or ``random``; ``ridge`` is λ relative to the mean feature energy, or
+    ``auto``: chosen per fit on held-out calibration batches (:func:`.held_out_ridge`)."""
 
     compensate: bool = True
     rescale: str = "o_down"
     selection: str = "weight_norm"
     seed: int = 0
-    ridge: float = 0.01
+    ridge: float | str = "auto"
     batch_size: int = 16
 
 
@@ -338,15 +348,35 @@ def _refit(
     # float64 Gram matrices: on a CUDA device, else on the CPU (MPS has no float64).
     gram_device = device if device.type == "cuda" else torch.device("cpu")
     fit = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, gram_device)
+    held = RidgeFit(weight.shape[1], weight.shape[0], bias is not None, gram_device)
+    choose = config.ridge == "auto" and len(states) >= 2
     seen_all = runner.each(block, states, layer)
-    for state, target, seen in zip(states, targets, seen_all, strict=True):
+    for index, (state, target, seen) in enumerate(zip(states, targets, seen_all, strict=True)):
         x = state.to(device, torch.float32)
         inputs, update = features(seen, x), target.to(device, torch.float32) - baseline(seen, x)
         if post_norm is not None:
             update = _before_norm(update, inputs, weight, bias, post_norm)
-        fit.add(inputs, update)
-    solution = fit.solve(config.ridge, weight.double(), None if bias is None else bias.double())
-    return solution, _fit_record(solution, fit)
+        (held if choose and _held_out(index, len(states)) else fit).add(inputs, update)
+    start, start_bias = weight.double(), None if bias is None else bias.double()
+    record: dict = {}
+    strength: float | str = DEFAULT_RIDGE if config.ridge == "auto" else config.ridge
+    if held.rows and fit.rows >= fit.gram.shape[0]:
+        strength, record["held_out_error"] = held_out_ridge(fit, held, start, start_bias)
+    fit.absorb(held)
+    if strength == SELECTION:  # no refit did better on text it was not fitted to
+        kept = RidgeSolution(start, start_bias, 0.0, 0.0)
+        solution = replace(kept, error_before=fit.error(kept), error_after=fit.error(kept))
+    else:
+        solution = fit.solve(strength, start, start_bias)
+    return solution, {"ridge": strength, **_fit_record(solution, fit), **record}
+
+
+def _held_out(index: int, batches: int) -> bool:
+    """Whether calibration batch ``index`` of ``batches`` is held out to choose the ridge: every
+    :data:`HOLD_OUT_EVERY`-th, or the last where there are fewer."""
+    if batches < HOLD_OUT_EVERY:
+        return index == batches - 1
+    return index % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1
 
 
 def _before_norm(
