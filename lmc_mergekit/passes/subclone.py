@@ -74,7 +74,9 @@ class SubcloneSettings(TextSettings):
         True, description="refit attention output and MLP down by least squares"
     )
     rescale: Literal["none", "o_down", "all"] = Field(
-        "o_down", description="multiply by sqrt(n/n'): none, attention output + MLP down, all"
+        "none",
+        description="multiply by sqrt(n/n'): none, attention output + MLP down, all (on a "
+        "compensated model it over-corrects: docs/results.md)",
     )
     selection: Literal["weight_norm", "random"] = Field(
         "weight_norm", description="rank heads, dims and units by weight norm, or at random"

@@ -65,7 +65,8 @@ def load_recipe_split(
     description = config.describe()
     if spread:
         sequences, read = sample_split(config, shared.tokenizer, split, most)
-        description += ": " + ", ".join(f"{name} ({count})" for name, count in read)
+        if len(read) > 1:
+            description += ": " + ", ".join(f"{name} ({count})" for name, count in read)
     else:
         sequences = load_split(config, shared.tokenizer, split, most)
     shared.check_ids(sequences)

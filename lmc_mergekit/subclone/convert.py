@@ -64,7 +64,7 @@ class ConversionConfig:
     ``auto``: chosen per fit on held-out calibration batches (:func:`.held_out_ridge`)."""
 
     compensate: bool = True
-    rescale: str = "o_down"
+    rescale: str = "none"
     selection: str = "weight_norm"
     seed: int = 0
     ridge: float | str = "auto"
