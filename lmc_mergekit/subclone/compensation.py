@@ -73,6 +73,27 @@ class RidgeFit:
         self, strength: float, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> RidgeSolution:
         """The ridge refit, scored against the current ``weight`` (and ``bias``)."""
+        current = self.stacked(weight, bias)
+        solution = self.coefficients(strength, current)
+        width = self.gram.shape[0] - int(self.bias)
+        return RidgeSolution(
+            weight=solution[:width].T,
+            bias=solution[width] if self.bias else None,
+            error_before=self.relative_error(current),
+            error_after=self.relative_error(solution),
+        )
+
+    def stacked(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``weight`` ``(outputs, features)`` (and ``bias``) as coefficients ``(width,
+        outputs)``: the layout :meth:`coefficients` solves for."""
+        current = weight.T.to(self.gram)
+        if self.bias:
+            start = torch.zeros(1, current.shape[1]) if bias is None else bias[None]
+            current = torch.cat([current, start.to(self.gram)])
+        return current
+
+    def coefficients(self, strength: float, current: torch.Tensor) -> torch.Tensor:
+        """The ridge solution at ``strength``, pulled towards the coefficients ``current``."""
         width = self.gram.shape[0] - int(self.bias)
         if self.rows < self.gram.shape[0]:
             raise LmcError(
@@ -80,24 +101,13 @@ class RidgeFit:
                 "tokens; give more calibration text"
             )
         shrink = strength * self.gram.diagonal()[:width].mean().clamp_min(1e-12)
-        current = weight.T.to(self.gram)
-        if self.bias:
-            start = torch.zeros(1, current.shape[1]) if bias is None else bias[None]
-            current = torch.cat([current, start.to(self.gram)])
         regular = self.gram.clone()
         regular.diagonal()[:width] += shrink
         # The ridge pulls towards the selected weights rather than towards zero, so a
         # projection the selection left exact stays exact.
         pull = torch.zeros_like(current)
         pull[:width] = shrink * current[:width]
-        solution = torch.linalg.solve(regular, self.cross + pull)  # (width, outputs)
-        centred = (self.energy - (self.total**2).sum() / self.rows).clamp_min(1e-30)
-        return RidgeSolution(
-            weight=solution[:width].T,
-            bias=solution[width] if self.bias else None,
-            error_before=float(self._residual(current) / centred),
-            error_after=float(self._residual(solution) / centred),
-        )
+        return torch.linalg.solve(regular, self.cross + pull)  # (width, outputs)
 
     def absorb(self, other: RidgeFit) -> None:
         """Add the rows ``other`` accumulated (its batches become this fit's)."""
@@ -109,10 +119,10 @@ class RidgeFit:
 
     def error(self, solution: RidgeSolution) -> float:
         """The relative squared error of ``solution`` on this fit's rows."""
-        coef = solution.weight.T.to(self.gram)
-        if self.bias:
-            start = torch.zeros(coef.shape[1]) if solution.bias is None else solution.bias
-            coef = torch.cat([coef, start[None].to(self.gram)])
+        return self.relative_error(self.stacked(solution.weight, solution.bias))
+
+    def relative_error(self, coef: torch.Tensor) -> float:
+        """``‖Y − X·coef‖² / ‖Y − mean(Y)‖²`` on this fit's rows."""
         centred = (self.energy - (self.total**2).sum() / max(self.rows, 1)).clamp_min(1e-30)
         return float(self._residual(coef) / centred)
 
@@ -127,9 +137,9 @@ def held_out_ridge(
     """The strength of :data:`RIDGE_GRID` whose fit on ``fit``'s rows has the least error on
     ``held``'s, or :data:`SELECTION` where the selected ``weight`` (``bias``) does better than
     every refit; with the held-out error of each candidate (keyed by strength)."""
-    selected = RidgeSolution(weight, bias, 0.0, 0.0)
-    errors = {SELECTION: held.error(selected)}
-    for strength in RIDGE_GRID:
-        errors[f"{strength:g}"] = held.error(fit.solve(strength, weight, bias))
+    current = fit.stacked(weight, bias)
+    errors = {SELECTION: held.relative_error(current)}
+    for strength in RIDGE_GRID:  # solved only: scored on the held-out rows alone
+        errors[f"{strength:g}"] = held.relative_error(fit.coefficients(strength, current))
     best = min(errors, key=errors.get)
     return (best if best == SELECTION else float(best)), {k: round(v, 6) for k, v in errors.items()}
