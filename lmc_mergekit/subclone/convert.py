@@ -364,8 +364,8 @@ def _refit(
         strength, record["held_out_error"] = held_out_ridge(fit, held, start, start_bias)
     fit.absorb(held)
     if strength == SELECTION:  # no refit did better on text it was not fitted to
-        kept = RidgeSolution(start, start_bias, 0.0, 0.0)
-        solution = replace(kept, error_before=fit.error(kept), error_after=fit.error(kept))
+        error = fit.relative_error(fit.stacked(start, start_bias))
+        solution = RidgeSolution(start, start_bias, error, error)
     else:
         solution = fit.solve(strength, start, start_bias)
     return solution, {"ridge": strength, **_fit_record(solution, fit), **record}
