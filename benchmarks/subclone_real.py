@@ -7,12 +7,13 @@ SmolLM2-135M-Instruct (bf16, built by ``benchmarks/real_pretrained.py``) convert
 family's smaller shapes (``d384``: 6/2 heads, MLP 1024, 66M parameters; ``d192``: 3/1 heads,
 MLP 512), each arm one ``lmc-mergekit-yaml`` recipe with a fresh cache:
 
-- ``fixed``: compensation with the former fixed ridge (``ridge: 0.01``), calibrated on Pride
-  and Prejudice alone (``data:`` that file): what was measured from outside;
+- ``fixed``: compensation with the former fixed ridge (``ridge: 0.01``) and rescaling
+  (``o_down``), calibrated on Pride and Prejudice alone (``data:`` that file): what was
+  measured from outside;
 - ``auto``: the same with the ridge chosen on held-out calibration batches (the default);
-- ``auto+mixed``: the default recipe: held-out ridge, calibration spread over every text of
-  the bundled corpus (two Austen novels and Genesis–Numbers);
-- ``auto+mixed, no rescale``: the same without the ``sqrt(n/n')`` rescaling;
+- ``auto+mixed``: held-out ridge, calibration spread over every text of the bundled corpus (two
+  Austen novels and Genesis–Numbers), rescaling ``o_down``;
+- ``auto+mixed, no rescale``: the same without the ``sqrt(n/n')`` rescaling: the default recipe;
 - ``plain``: selection alone (``compensate: false, rescale: none``) on the Austen file.
 
 Losses (mean next-token nats) on the test split of Pride and Prejudice (the calibration text
@@ -37,11 +38,12 @@ from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
 from lmc_mergekit.zoo.train import continue_training
 
 #: Each arm's ``subclone:`` settings; ``data`` is a corpus file's stem or None (the bundled
-#: corpus).
+#: corpus). Rescaling is named in each arm, so that an arm means what it did when its table
+#: was written whatever the defaults (``o_down`` was the default then).
 ARMS = {
-    "fixed": {"ridge": 0.01, "data": "prideprejudice"},
-    "auto": {"data": "prideprejudice"},
-    "auto+mixed": {},
+    "fixed": {"ridge": 0.01, "rescale": "o_down", "data": "prideprejudice"},
+    "auto": {"rescale": "o_down", "data": "prideprejudice"},
+    "auto+mixed": {"rescale": "o_down"},
     "auto+mixed, no rescale": {"rescale": "none"},
     "plain": {"compensate": False, "rescale": "none", "data": "prideprejudice"},
 }
