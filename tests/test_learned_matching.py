@@ -289,6 +289,7 @@ def exact_pair(trained_pair, tmp_path_factory):
     return ends, runner, text
 
 
+@pytest.mark.slow  # its fixture trains a pair (40 s)
 @pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
 def test_learning_from_an_exact_alignment_ends_no_worse_than_it_started(exact_pair, watched):
     """Unwatched, a rate too high for the model takes the mixes away from the exact alignment

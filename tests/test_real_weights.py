@@ -84,6 +84,7 @@ def scramble(source: Path, out: Path, seed: int = 5) -> float:
     return transform_checkpoint(source, out, transform, progress=False)[1]
 
 
+@pytest.mark.slow  # the real_like fixture trains the zoo models (35 s)
 @pytest.mark.parametrize("arch", ZOO_ARCHITECTURES)
 def test_trained_bf16_weights_with_outliers_pass_at_float32_precision(real_like, arch, tmp_path):
     source = real_like[arch]
@@ -92,6 +93,7 @@ def test_trained_bf16_weights_with_outliers_pass_at_float32_precision(real_like,
     assert scramble(source, tmp_path / "moved") < 1e-5
 
 
+@pytest.mark.slow  # the real_like fixture trains the zoo models (35 s)
 @pytest.mark.parametrize("arch", ZOO_ARCHITECTURES)
 def test_a_one_percent_bug_in_half_a_layer_still_fails(real_like, arch, tmp_path, monkeypatch):
     """A transform that is off by 1 % on the output of half the MLP units of one layer (not a
