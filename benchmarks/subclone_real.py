@@ -2,6 +2,8 @@
 
     python benchmarks/subclone_real.py generalize [--targets d384 d192] [--arms ...]
         [--work DIR] [--eval-sequences 32] [--heal-steps 30] [--markdown docs/results.md]
+    python benchmarks/subclone_real.py race [--targets d384 d192] [--budgets 0 30 100 300]
+        [--work DIR] [--eval-sequences 32] [--markdown docs/results.md] [--plot DIR]
 
 SmolLM2-135M-Instruct (bf16, built by ``benchmarks/real_pretrained.py``) converted to the
 family's smaller shapes (``d384``: 6/2 heads, MLP 1024, 66M parameters; ``d192``: 3/1 heads,
@@ -20,6 +22,14 @@ Losses (mean next-token nats) on the test split of Pride and Prejudice (the cali
 of the first arms) and of the KJV file (text no Austen-calibrated arm saw), ``--eval-sequences``
 sequences of 128 tokens each, zero-shot and after ``--heal-steps`` steps of continued training
 (batch 8, lr 3e-4) on train sequences of both texts in equal shares.
+
+``race`` is the size conversion paper's continued-training race: each start healed
+(``lmc_mergekit.subclone.heal``, the tool's one training loop) for the largest budget, its
+losses on both texts measured at every budget (equal tokens: batch 8 × 128 tokens a step).
+The starts: ``compensated`` (the default recipe), ``compensated + rescale`` (``o_down``),
+``plain selection`` and ``from scratch`` (the same shape, transformers' initialisation, lr
+1e-3: a from-scratch run at a fine-tuning rate would be a straw man). One run per start, its
+cosine schedule over the largest budget, so a smaller budget is a point of that run.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from real_pretrained import SMALLER, cache_root, corpus_file, run_recipe, smollm
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer, sample_split
 from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
+from lmc_mergekit.subclone.heal import heal
 from lmc_mergekit.zoo.train import continue_training
 
 #: Each arm's ``subclone:`` settings; ``data`` is a corpus file's stem or None (the bundled
@@ -48,6 +59,14 @@ ARMS = {
     "plain": {"compensate": False, "rescale": "none", "data": "prideprejudice"},
 }
 TEXTS = {"Austen (P&P)": "prideprejudice", "KJV": "kjv"}
+#: The race's starts: ``subclone:`` settings of the conversion (None: from scratch).
+RACE = {
+    "compensated": {},
+    "compensated + rescale": {"rescale": "o_down"},
+    "plain selection": {"compensate": False, "rescale": "none"},
+    "from scratch": None,
+}
+HEAL_LR, SCRATCH_LR = 3e-4, 1e-3
 
 
 def losses(folder: Path, args) -> dict[str, float]:
@@ -91,13 +110,8 @@ def ridges(report: dict) -> str:
 
 
 def generalize(args) -> None:
-    source = smollm2_folder()
+    source, files = texts(args)
     tokenizer = load_tokenizer([source])
-    files = {name: str(corpus_file(stem)) for name, stem in TEXTS.items()}
-    args.tests = {
-        name: load_split(DataConfig(source=path), tokenizer, "test", args.eval_sequences)
-        for name, path in files.items()
-    }
     mixed = DataConfig(source=list(files.values()))
     args.train, _ = sample_split(mixed, tokenizer, "train", 8 * args.heal_steps)
     donor = losses(source, args)
@@ -138,6 +152,118 @@ def generalize(args) -> None:
     publish(args, "generalize", "\n".join(lines))
 
 
+def texts(args) -> tuple[Path, dict[str, str]]:
+    """SmolLM2's folder and the two texts' files; ``args.tests`` set to their test splits."""
+    source = smollm2_folder()
+    tokenizer = load_tokenizer([source])
+    files = {name: str(corpus_file(stem)) for name, stem in TEXTS.items()}
+    args.tests = {
+        name: load_split(DataConfig(source=path), tokenizer, "test", args.eval_sequences)
+        for name, path in files.items()
+    }
+    return source, files
+
+
+def from_scratch(like: Path, out: Path) -> Path:
+    """A checkpoint of ``like``'s configuration, randomly initialised (seed 0), with its
+    tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lmc_mergekit.models.checkpoint import copy_tagalong_files
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(like))
+    model.to(torch.bfloat16).save_pretrained(out)
+    copy_tagalong_files(like, out)
+    return out
+
+
+def race(args) -> None:
+    source, files = texts(args)
+    names = list(TEXTS)
+    steps = max(args.budgets)
+    for target in args.targets:
+        results = {}
+        for start, settings in RACE.items():
+            slug = start.replace(" + ", "-").replace(" ", "-")
+            if settings is None:
+                folder = from_scratch(
+                    args.work / f"{target}-compensated" / "out", args.work / f"{target}-scratch"
+                )
+            else:
+                section = {**SMALLER[target], **settings, "evaluate": False}
+                recipe = {
+                    "merge_method": "subclone_compensate",
+                    "models": [{"model": str(source)}],
+                    "dtype": "bfloat16",
+                    "subclone": section,
+                }
+                _, folder = run_recipe(f"{target}-{slug}", recipe, args)
+            record = heal(
+                folder,
+                args.work / f"{target}-{slug}-healed",
+                steps=steps,
+                data=DataConfig(source=list(files.values())),
+                lr=SCRATCH_LR if settings is None else HEAL_LR,
+                evaluate_at=args.budgets,
+                test=args.tests,
+                cache_dir=args.work / "heal-cache",
+                overwrite=True,
+                progress=False,
+            )
+            results[start] = {e["step"]: e for e in record["evaluations"]}
+            print(f"{target} {start}: {results[start]} ({record['wall_time_s']:.0f} s)", flush=True)
+        publish(args, f"race-{target}", race_table(results, args.budgets, names, target))
+        if args.plot:
+            plot_race(args.plot / f"race-{target}.png", results, names, target)
+
+
+def race_table(results: dict, budgets: list[int], names: list[str], target: str) -> str:
+    """Losses per start (rows) and budget (columns), both texts in each cell; the best start
+    at each budget in bold; from scratch's tokens to reach compensation's zero-shot loss."""
+    head = " / ".join(names)
+    lines = [
+        f"SmolLM2-135M-Instruct → {target}: loss {head} after each budget of healing "
+        "(steps of 8 × 128 tokens).",
+        "",
+        "| start | " + " | ".join(f"{b} steps" for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    best = {b: min(results, key=lambda s: sum(results[s][b][n] for n in names)) for b in budgets}
+    for start, losses in results.items():
+        cells = []
+        for b in budgets:
+            cell = " / ".join(f"{losses[b][n]:.3f}" for n in names)
+            cells.append(f"**{cell}**" if best[b] == start else cell)
+        lines.append(f"| {start} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_race(path: Path, results: dict, names: list[str], target: str) -> None:
+    """Loss against steps of healing, one panel per text, one line per start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, axes = plt.subplots(1, len(names), figsize=(10, 4), dpi=120, sharey=True)
+    for ax, name in zip(axes, names, strict=True):
+        for start, losses in results.items():
+            steps = sorted(losses)
+            ax.plot(steps, [losses[s][name] for s in steps], marker="o", label=start)
+        ax.set_title(f"{name} test split")
+        ax.set_xlabel("healing steps (8 × 128 tokens each)")
+        ax.set_xscale("symlog", linthresh=30)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("loss (nats per token)")
+    axes[0].legend()
+    fig.suptitle(f"SmolLM2-135M-Instruct → {target}: which start heals best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,11 +274,18 @@ def main() -> None:
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--heal-steps", type=int, default=30)
     add_markdown_option(p)
+    p = sub.add_parser("race")
+    p.add_argument("--targets", nargs="+", choices=list(SMALLER), default=list(SMALLER))
+    p.add_argument("--budgets", nargs="+", type=int, default=[0, 30, 100, 300])
+    p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--eval-sequences", type=int, default=32)
+    p.add_argument("--plot", type=Path, default=None, help="folder for race-<target>.png")
+    add_markdown_option(p)
     args = parser.parse_args()
     args.work = (args.work or Path(tempfile.mkdtemp(dir=cache_root()))).absolute()
     args.work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    generalize(args)
+    {"generalize": generalize, "race": race}[args.command](args)
     print(json.dumps({"work": str(args.work)}))
 
 

@@ -1,4 +1,4 @@
-"""``lmc-mergekit``: the plugin's own tools (scramble, transform, demo, zoo, eval, barrier).
+"""``lmc-mergekit``: the plugin's own tools (scramble, transform, demo, zoo, heal, eval, barrier).
 
 It imports no part of mergekit (whose import alone takes seconds), so that the tools start
 quickly; ``lmc-mergekit-yaml`` (:mod:`lmc_mergekit.plugin.cli`) runs recipes.
@@ -273,6 +273,92 @@ def zoo_command(
             else f"trained in {record['wall_time_s']:.0f} s at {record['tokens_per_s']:.0f} tok/s"
         )
         click.echo(f"{path}  validation loss {record['validation_loss']:.3f} nats  ({how})")
+
+
+@main.command("heal")
+@click.argument("model")
+@click.argument("out")
+@click.option("--steps", type=click.IntRange(min=1), required=True, help="Training steps")
+@click.option(
+    "--data",
+    metavar="PATH",
+    multiple=True,
+    help="Training text (repeat for several, mixed in equal shares): a file, .jsonl, folder, "
+    "saved dataset or hf:NAME[:SPLIT] [default: bundled corpus]",
+)
+@click.option("--field", default="text", show_default=True, help="Text field of records")
+@click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak learning rate")
+@click.option("--seed", type=int, default=0, show_default=True, help="Order of the batches")
+@click.option(
+    "--eval-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Steps between held-out losses [default: a tenth of the run]",
+)
+@click.option(
+    "--eval-sequences",
+    type=click.IntRange(min=1),
+    default=DEFAULT_EVAL_SEQUENCES,
+    show_default=True,
+    help="Test-split sequences of the data the held-out loss is measured on",
+)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N]")
+@lmc_cache_option
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists")
+@click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own code to run")
+@one_line_errors
+def heal_command(
+    model: str,
+    out: str,
+    steps: int,
+    data: tuple[str, ...],
+    field: str,
+    seq_len: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    eval_every: int | None,
+    eval_sequences: int,
+    device: str,
+    lmc_cache: Path | None,
+    overwrite: bool,
+    trust_remote_code: bool,
+) -> None:
+    """Train MODEL on for --steps steps and write it to OUT: healing after a size conversion.
+
+    The held-out loss is measured along the way and written with the run's record to
+    OUT/heal.json. Interrupted, the same command resumes from its last checkpoint.
+    """
+    from lmc_mergekit.data import DataConfig
+    from lmc_mergekit.subclone.heal import heal, heal_steps_to_evaluate
+
+    source = None if not data else data[0] if len(data) == 1 else list(data)
+    record = heal(
+        model,
+        out,
+        steps=steps,
+        data=DataConfig(source=source, field=field, seq_len=seq_len),
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        evaluate_at=heal_steps_to_evaluate(steps, eval_every),
+        eval_sequences=eval_sequences,
+        device=device,
+        cache_dir=lmc_cache or default_cache_dir(),
+        overwrite=overwrite,
+        progress=sys.stderr.isatty(),
+        trust_remote_code=trust_remote_code,
+    )
+    for evaluation in record["evaluations"]:
+        click.echo(f"step {evaluation['step']:>6}: held-out loss {evaluation['test']:.4f}")
+    first, last = record["evaluations"][0]["test"], record["evaluations"][-1]["test"]
+    resumed = f", resumed at step {record['resumed_at']}" if record["resumed_at"] else ""
+    click.echo(
+        f"wrote {out}: held-out loss {first:.4f} -> {last:.4f} nats after {steps} steps "
+        f"({record['tokens_seen']} tokens{resumed})"
+    )
 
 
 @main.command("eval")

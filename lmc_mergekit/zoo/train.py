@@ -7,8 +7,10 @@ gives the same weights, bit for bit, on the same machine and software.
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -17,6 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from lmc_mergekit.data.sequences import DataConfig, load_split
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES, mean_token_loss
+from lmc_mergekit.runtime.rollback import TrainingState, rollbacks_for_json
 from lmc_mergekit.runtime.schedule import warmup_cosine
 
 # Tuned on the bundled corpus for a 4-layer d=128 GPT-NeoX, batch 16x128, 1500 steps.
@@ -25,6 +28,12 @@ DEFAULT_WARMUP = 100
 WEIGHT_DECAY = 0.1
 MIN_LR_FRACTION = 0.1  # the cosine decays to this fraction of the peak rate
 SMOOTHING = 0.98  # of the reported training loss (an exponential moving average)
+#: Steps between snapshots (rollback targets and, given a file, resumable checkpoints).
+CHECKPOINT_EVERY = 100
+#: Rollbacks after a diverged step before the training stops with an error.
+MAX_ROLLBACKS = 3
+#: Bumped when the checkpoint's contents change: an older checkpoint is not resumed.
+STATE_FORMAT = 1
 
 
 def train_model(
@@ -100,6 +109,11 @@ def continue_training(
     progress: bool = True,
     desc: str = "training",
     after_step: Callable[[int], None] | None = None,
+    evaluate: Callable[[], dict[str, float]] | None = None,
+    evaluate_at: Collection[int] = (),
+    checkpoint: Path | None = None,
+    identity=None,
+    checkpoint_every: int = CHECKPOINT_EVERY,
 ) -> dict:
     """Train ``model`` in place for ``steps`` AdamW steps on batches of the ``(n, length)``
     sequences ``train`` and leave it in eval mode; return a record of the run.
@@ -108,45 +122,74 @@ def continue_training(
     data in the same order whatever their starting weights. The learning rate warms up
     linearly over ``warmup`` steps (at most a fifth of training), then decays along a cosine
     to a tenth of ``lr``. ``after_step(n)`` is called after the ``n``-th step (1-based), e.g.
-    to evaluate part-way.
+    to evaluate part-way; ``evaluate()`` (named held-out losses) runs before the steps listed
+    in ``evaluate_at`` (0: before training; ``steps``: at the end) and its results are the
+    record's ``evaluations``.
+
+    A diverged step (non-finite or exploding loss) rolls back to the last snapshot with half
+    the learning rate (:mod:`lmc_mergekit.runtime.rollback`). Every ``checkpoint_every`` steps
+    a snapshot is kept and, with ``checkpoint``, saved there under ``identity`` (everything
+    that defines the run besides these settings); an interrupted run given the same file and
+    identity resumes from it, to the same weights, and the file is removed at the end.
     """
     warmup = max(0, min(warmup, steps // 5))
     device = next(model.parameters()).device
     model.train()
     train = train.to(device)
     optimizer = _adamw(model, lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, steps, warmup, MIN_LR_FRACTION)
-    )
-    batches = _batch_indices(len(train), batch_size, seed)
+    batches = _Batches(len(train), batch_size, seed)
+    state = _ModelState(model, optimizer, batches, lr)
+    settings = {"seed": seed, "steps": steps, "batch": batch_size, "lr": lr, "warmup": warmup}
+    identity = {"run": identity, "settings": settings, "format": STATE_FORMAT}
+    start = state.load(checkpoint, identity) or 0  # None also for a checkpoint of another run
+    state.keep()
     tokens_per_step = batch_size * train.shape[1]
+    evaluate_at = set(evaluate_at) if evaluate is not None else set()
 
-    smoothed, first_loss = 0.0, None
-    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress)
-    start = time.perf_counter()
-    for step in bar:
-        batch = train[next(batches).to(device)]
+    bar = tqdm(total=steps, initial=start, desc=desc, unit="step", disable=not progress)
+    started = time.perf_counter()
+    while state.step < steps:
+        step = state.step
+        if step in evaluate_at and step not in state.evaluated:
+            state.evaluations.append({"step": step, **evaluate()})
+            model.train()
+        for group in optimizer.param_groups:
+            group["lr"] = lr * warmup_cosine(step, steps, warmup, MIN_LR_FRACTION) * state.lr_scale
+        batch = train[batches.next().to(device)]
         loss = model(input_ids=batch, labels=batch).loss
+        value = loss.item()
+        if state.diverged(value):
+            state.roll_back(step, value)
+            optimizer.zero_grad(set_to_none=True)
+            bar.n = state.step
+            bar.refresh()
+            continue
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        schedule.step()
         optimizer.zero_grad(set_to_none=True)
-
-        value = loss.item()
+        state.accept(value)
+        bar.update()
+        if state.step % checkpoint_every == 0 and state.step < steps:
+            snapshot = state.keep()
+            if checkpoint is not None:
+                state.save(checkpoint, identity, snapshot)
         if after_step is not None:
-            after_step(step + 1)
+            after_step(state.step)
             model.train()
-        first_loss = value if first_loss is None else first_loss
-        smoothed = SMOOTHING * smoothed + (1 - SMOOTHING) * value
-        if step % 10 == 0 or step == steps - 1:
-            elapsed = time.perf_counter() - start
+        if step % 10 == 0 or state.step == steps:
+            elapsed = time.perf_counter() - started
             bar.set_postfix(
-                loss=f"{smoothed / (1 - SMOOTHING ** (step + 1)):.3f}",
-                tok_s=f"{tokens_per_step * (step + 1) / elapsed:.0f}",
+                loss=f"{_smoothed(state.losses):.3f}",
+                tok_s=f"{tokens_per_step * (state.step - start) / elapsed:.0f}",
             )
-    wall = time.perf_counter() - start
+    bar.close()
+    if steps in evaluate_at and steps not in state.evaluated:
+        state.evaluations.append({"step": steps, **evaluate()})
+    wall = time.perf_counter() - started
     model.eval()
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
     return {
         "seed": seed,
         "steps": steps,
@@ -157,11 +200,52 @@ def continue_training(
         "weight_decay": WEIGHT_DECAY,
         "train_sequences": len(train),
         "tokens_seen": tokens_per_step * steps,
-        "first_train_loss": first_loss,
-        "train_loss": smoothed / (1 - SMOOTHING**steps),
+        "first_train_loss": state.losses[0] if state.losses else None,
+        "train_loss": _smoothed(state.losses),
         "wall_time_s": round(wall, 2),
-        "tokens_per_s": round(tokens_per_step * steps / wall, 1),
+        "tokens_per_s": round(tokens_per_step * max(1, steps - start) / wall, 1),
+        "resumed_at": start,
+        "rollbacks": rollbacks_for_json(state.rollbacks),
+        "evaluations": list(state.evaluations),
     }
+
+
+def _smoothed(losses: list[float]) -> float:
+    """The bias-corrected exponential moving average of ``losses`` (NaN for none)."""
+    average = 0.0
+    for loss in losses:
+        average = SMOOTHING * average + (1 - SMOOTHING) * loss
+    return average / (1 - SMOOTHING ** len(losses)) if losses else float("nan")
+
+
+class _ModelState(TrainingState):
+    """A model training's state: the weights, the optimiser, the batch order and the held-out
+    evaluations so far."""
+
+    def __init__(self, model, optimizer, batches: _Batches, lr: float):
+        super().__init__("training", lr, MAX_ROLLBACKS, "set a smaller learning rate")
+        self.model, self.optimizer, self.batches = model, optimizer, batches
+        self.evaluations: list[dict] = []
+
+    @property
+    def evaluated(self) -> set[int]:
+        return {e["step"] for e in self.evaluations}
+
+    def capture(self) -> dict:
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "batches": self.batches.capture(),
+            "rng": torch.get_rng_state(),
+            "evaluations": [dict(e) for e in self.evaluations],
+        }
+
+    def apply(self, parts: dict) -> None:
+        self.model.load_state_dict(parts["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(parts["optimizer"]))
+        self.batches.restore(parts["batches"])
+        torch.set_rng_state(parts["rng"])
+        self.evaluations = [dict(e) for e in parts["evaluations"]]
 
 
 def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
@@ -174,13 +258,27 @@ def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def _batch_indices(count: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+class _Batches:
     """Row indices of the training batches: epochs of random permutations drawn from a
-    generator seeded with ``seed``, so each sequence is seen once per epoch."""
-    generator = torch.Generator().manual_seed(seed)
-    pending = torch.empty(0, dtype=torch.long)
-    while True:
-        while len(pending) < batch_size:
-            pending = torch.cat([pending, torch.randperm(count, generator=generator)])
-        yield pending[:batch_size]
-        pending = pending[batch_size:]
+    generator seeded with ``seed``, so each sequence is seen once per epoch. Its position
+    can be captured and restored, so a resumed run sees the batches it would have seen."""
+
+    def __init__(self, count: int, batch_size: int, seed: int):
+        self.count, self.batch_size = count, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pending = torch.empty(0, dtype=torch.long)
+
+    def next(self) -> torch.Tensor:
+        while len(self.pending) < self.batch_size:
+            self.pending = torch.cat(
+                [self.pending, torch.randperm(self.count, generator=self.generator)]
+            )
+        batch, self.pending = self.pending[: self.batch_size], self.pending[self.batch_size :]
+        return batch
+
+    def capture(self) -> dict:
+        return {"generator": self.generator.get_state(), "pending": self.pending.clone()}
+
+    def restore(self, parts: dict) -> None:
+        self.generator.set_state(parts["generator"])
+        self.pending = parts["pending"].clone()
