@@ -31,7 +31,7 @@ tokens). Losses are mean next-token nats.
   text.
 - ``subclone``: ``subclone_compensate`` to two smaller shapes of the family, compensated and
   plain selection (``compensate: false, rescale: none``); zero-shot and after ``--heal-steps``
-  steps of continued training on the calibration text (batch 8, lr 3e-4).
+  steps of ``lmc-mergekit heal`` on the bundled corpus (batch 8, lr 3e-4).
 - ``ls_merge``: a self-merge of 4 posterior samples (``samples: 4``, no noise floor): the
   merged model's loss next to the model's.
 """
@@ -281,36 +281,16 @@ def row_subclone(source: Path, args) -> list[dict]:
 
 
 def healed(folder: Path, args) -> tuple[float, float]:
-    """Zero-shot and healed test loss of ``folder`` (in a child process)."""
+    """Zero-shot and healed test loss of ``folder``: ``lmc-mergekit heal`` on the bundled
+    corpus (in a child process), read from its ``heal.json``."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "healed.json"
-        command = [sys.executable, __file__, "heal-worker", str(folder), str(out)]
-        command += [
-            "--heal-steps",
-            str(args.heal_steps),
-            "--eval-sequences",
-            str(args.eval_sequences),
-        ]
-        subprocess.run(command, check=True)
-        return tuple(json.loads(out.read_text()))
-
-
-def heal_worker(args) -> None:
-    """Write [zero-shot loss, loss after ``--heal-steps`` steps] of ``args.source``."""
-    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
-    from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
-    from lmc_mergekit.zoo.train import continue_training
-
-    tokenizer = load_tokenizer([args.source])
-    data = DataConfig(seq_len=128)
-    test = load_split(data, tokenizer, "test", max_sequences=args.eval_sequences)
-    train = load_split(data, tokenizer, "train", max_sequences=8 * args.heal_steps)
-    model = load_causal_lm(args.source)
-    before = mean_token_loss(model, test).loss
-    continue_training(
-        model, train, seed=0, steps=args.heal_steps, batch_size=8, lr=3e-4, progress=False
-    )
-    Path(args.out).write_text(json.dumps([before, mean_token_loss(model, test).loss]))
+        out = Path(tmp) / "healed"
+        command = [str(BIN / "lmc-mergekit"), "heal", str(folder), str(out)]
+        command += ["--steps", str(args.heal_steps), "--eval-every", str(args.heal_steps)]
+        command += ["--eval-sequences", str(args.eval_sequences), "--lmc-cache", tmp]
+        subprocess.run(command, check=True, capture_output=True)
+        evaluations = json.loads((out / "heal.json").read_text())["evaluations"]
+        return evaluations[0]["test"], evaluations[-1]["test"]
 
 
 def row_ls_merge(source: Path, args) -> dict:
@@ -376,11 +356,6 @@ def main() -> None:
     tune.add_argument("out", type=Path)
     tune.add_argument("text", choices=list(TEXTS))
     tune.add_argument("--finetune-steps", type=int, required=True)
-    heal = sub.add_parser("heal-worker")
-    heal.add_argument("source", type=Path)
-    heal.add_argument("out", type=Path)
-    heal.add_argument("--heal-steps", type=int, required=True)
-    heal.add_argument("--eval-sequences", type=int, required=True)
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--eval-sequences", type=int, default=32)
@@ -393,8 +368,6 @@ def main() -> None:
         return build_worker(args.folder)
     if args.command == "finetune-worker":
         return finetune_worker(args)
-    if args.command == "heal-worker":
-        return heal_worker(args)
     source = smollm2_folder()
     args.work = (args.work or cache_root() / "bench").absolute()
     args.work.mkdir(parents=True, exist_ok=True)

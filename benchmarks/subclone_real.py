@@ -3,7 +3,8 @@
     python benchmarks/subclone_real.py generalize [--targets d384 d192] [--arms ...]
         [--work DIR] [--eval-sequences 32] [--heal-steps 30] [--markdown docs/results.md]
     python benchmarks/subclone_real.py race [--targets d384 d192] [--budgets 0 30 100 300]
-        [--work DIR] [--eval-sequences 32] [--markdown docs/results.md] [--plot DIR]
+        [--starts ...] [--work DIR] [--eval-sequences 32] [--markdown docs/results.md]
+        [--plot DIR]
 
 SmolLM2-135M-Instruct (bf16, built by ``benchmarks/real_pretrained.py``) converted to the
 family's smaller shapes (``d384``: 6/2 heads, MLP 1024, 66M parameters; ``d192``: 3/1 heads,
@@ -27,26 +28,29 @@ sequences of 128 tokens each, zero-shot and after ``--heal-steps`` steps of cont
 (``lmc_mergekit.subclone.heal``, the tool's one training loop) for the largest budget, its
 losses on both texts measured at every budget (equal tokens: batch 8 × 128 tokens a step).
 The starts: ``compensated`` (the default recipe), ``compensated + rescale`` (``o_down``),
-``plain selection`` and ``from scratch`` (the same shape, transformers' initialisation, lr
-1e-3: a from-scratch run at a fine-tuning rate would be a straw man). One run per start, its
-cosine schedule over the largest budget, so a smaller budget is a point of that run.
+``plain selection``, ``torch-pruning (Taylor)`` (a peer tool, where it is installed: see
+``peers.py``) and ``from scratch`` (the same shape, transformers' initialisation, lr 1e-3: a
+from-scratch run at a fine-tuning rate would be a straw man). One run per start, its cosine
+schedule over the largest budget, so a smaller budget is a point of that run. A start already
+healed in ``--work`` for these budgets is read back, not run again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 from pathlib import Path
 
+import peers
 import torch
 from markdown_blocks import add_markdown_option, publish
 from real_pretrained import SMALLER, cache_root, corpus_file, run_recipe, smollm2_folder
 
-from lmc_mergekit.data import DataConfig, load_split, load_tokenizer, sample_split
+from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
-from lmc_mergekit.subclone.heal import heal
-from lmc_mergekit.zoo.train import continue_training
+from lmc_mergekit.subclone.heal import HEAL_INFO, heal
 
 #: Each arm's ``subclone:`` settings; ``data`` is a corpus file's stem or None (the bundled
 #: corpus). Rescaling is named in each arm, so that an arm means what it did when its table
@@ -59,12 +63,13 @@ ARMS = {
     "plain": {"compensate": False, "rescale": "none", "data": "prideprejudice"},
 }
 TEXTS = {"Austen (P&P)": "prideprejudice", "KJV": "kjv"}
-#: The race's starts: ``subclone:`` settings of the conversion (None: from scratch).
+#: The race's starts: ``subclone:`` settings of a conversion, or how else the start is made.
 RACE = {
     "compensated": {},
     "compensated + rescale": {"rescale": "o_down"},
     "plain selection": {"compensate": False, "rescale": "none"},
-    "from scratch": None,
+    "torch-pruning (Taylor)": "peer",
+    "from scratch": "scratch",
 }
 HEAL_LR, SCRATCH_LR = 3e-4, 1e-3
 
@@ -75,18 +80,32 @@ def losses(folder: Path, args) -> dict[str, float]:
     return {name: mean_token_loss(model, seqs).loss for name, seqs in args.tests.items()}
 
 
-def healed(folder: Path, args) -> dict[str, float]:
-    """``folder``'s losses after ``--heal-steps`` steps on both texts' train sequences."""
-    model = load_causal_lm(folder)
-    continue_training(
-        model, args.train, seed=0, steps=args.heal_steps, batch_size=8, lr=3e-4, progress=False
+def healed(
+    folder: Path, out: Path, args, budgets: list[int], lr: float = HEAL_LR
+) -> dict[int, dict]:
+    """``folder`` healed into ``out`` for the largest of ``budgets`` steps on both texts'
+    train splits in equal shares (:func:`lmc_mergekit.subclone.heal.heal`, batch 8): its
+    losses on each text's test split at each budget, keyed by step."""
+    record = heal(
+        folder,
+        out,
+        steps=max(budgets),
+        data=DataConfig(source=list(args.files.values())),
+        lr=lr,
+        evaluate_at=budgets,
+        test=args.tests,
+        cache_dir=args.work / "heal-cache",
+        overwrite=True,
+        progress=False,
     )
-    return {name: mean_token_loss(model, seqs).loss for name, seqs in args.tests.items()}
+    return {e["step"]: e for e in record["evaluations"]}
 
 
-def convert(source: Path, target: str, arm: str, args) -> tuple[dict, Path]:
-    """One arm's recipe run: its result (seconds, peak, report) and output folder."""
-    section = {**SMALLER[target], **ARMS[arm], "evaluate": False}
+def convert(source: Path, target: str, name: str, settings: dict, args) -> tuple[dict, Path]:
+    """A conversion of ``source`` to ``target`` with the ``subclone:`` ``settings``, run as a
+    recipe in ``args.work/<target>-<name>``: its result (seconds, peak, report) and output
+    folder."""
+    section = {**SMALLER[target], **settings, "evaluate": False}
     if section.get("data"):
         section["data"] = str(corpus_file(section["data"]))
     recipe = {
@@ -95,8 +114,12 @@ def convert(source: Path, target: str, arm: str, args) -> tuple[dict, Path]:
         "dtype": "bfloat16",
         "subclone": section,
     }
-    name = f"{target}-{arm}".replace(" ", "").replace(",", "-").replace("+", "-")
-    return run_recipe(name, recipe, args)
+    return run_recipe(f"{target}-{slug_of(name)}", recipe, args)
+
+
+def slug_of(name: str) -> str:
+    """``name`` as a folder name: ``compensated + rescale`` → ``compensated-rescale``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def ridges(report: dict) -> str:
@@ -110,10 +133,7 @@ def ridges(report: dict) -> str:
 
 
 def generalize(args) -> None:
-    source, files = texts(args)
-    tokenizer = load_tokenizer([source])
-    mixed = DataConfig(source=list(files.values()))
-    args.train, _ = sample_split(mixed, tokenizer, "train", 8 * args.heal_steps)
+    source = texts(args)
     donor = losses(source, args)
     names = list(TEXTS)
     head = " / ".join(names)
@@ -128,8 +148,9 @@ def generalize(args) -> None:
         plain = None
         rows = []
         for arm in args.arms:
-            result, out = convert(source, target, arm, args)
-            zero, after = losses(out, args), healed(out, args)
+            result, out = convert(source, target, arm, ARMS[arm], args)
+            curve = healed(out, out.parent / "healed", args, [0, args.heal_steps])
+            zero, after = curve[0], curve[args.heal_steps]
             if arm == "plain":
                 plain = zero
             rows.append((arm, zero, after, result))
@@ -152,16 +173,17 @@ def generalize(args) -> None:
     publish(args, "generalize", "\n".join(lines))
 
 
-def texts(args) -> tuple[Path, dict[str, str]]:
-    """SmolLM2's folder and the two texts' files; ``args.tests`` set to their test splits."""
+def texts(args) -> Path:
+    """SmolLM2's folder; ``args.files`` set to the two texts' files, ``args.tests`` to their
+    test splits."""
     source = smollm2_folder()
     tokenizer = load_tokenizer([source])
-    files = {name: str(corpus_file(stem)) for name, stem in TEXTS.items()}
+    args.files = {name: str(corpus_file(stem)) for name, stem in TEXTS.items()}
     args.tests = {
         name: load_split(DataConfig(source=path), tokenizer, "test", args.eval_sequences)
-        for name, path in files.items()
+        for name, path in args.files.items()
     }
-    return source, files
+    return source
 
 
 def from_scratch(like: Path, out: Path) -> Path:
@@ -179,48 +201,74 @@ def from_scratch(like: Path, out: Path) -> Path:
 
 
 def race(args) -> None:
-    source, files = texts(args)
+    source = texts(args)
     names = list(TEXTS)
-    steps = max(args.budgets)
+    starts = [s for s in args.starts if RACE[s] != "peer" or peers.version()]
     for target in args.targets:
         results = {}
-        for start, settings in RACE.items():
-            slug = start.replace(" + ", "-").replace(" ", "-")
-            if settings is None:
-                folder = from_scratch(
-                    args.work / f"{target}-compensated" / "out", args.work / f"{target}-scratch"
-                )
-            else:
-                section = {**SMALLER[target], **settings, "evaluate": False}
-                recipe = {
-                    "merge_method": "subclone_compensate",
-                    "models": [{"model": str(source)}],
-                    "dtype": "bfloat16",
-                    "subclone": section,
-                }
-                _, folder = run_recipe(f"{target}-{slug}", recipe, args)
-            record = heal(
-                folder,
-                args.work / f"{target}-{slug}-healed",
-                steps=steps,
-                data=DataConfig(source=list(files.values())),
-                lr=SCRATCH_LR if settings is None else HEAL_LR,
-                evaluate_at=args.budgets,
-                test=args.tests,
-                cache_dir=args.work / "heal-cache",
-                overwrite=True,
-                progress=False,
-            )
-            results[start] = {e["step"]: e for e in record["evaluations"]}
-            print(f"{target} {start}: {results[start]} ({record['wall_time_s']:.0f} s)", flush=True)
-        publish(args, f"race-{target}", race_table(results, args.budgets, names, target))
+        for start in starts:
+            slug = slug_of(start)
+            out = args.work / f"{target}-{slug}-healed"
+            results[start] = finished(out, args.budgets)
+            if results[start] is None:
+                folder = race_start(source, target, start, slug, args)
+                lr = SCRATCH_LR if RACE[start] == "scratch" else HEAL_LR
+                results[start] = healed(folder, out, args, args.budgets, lr)
+            print(f"{target} {start}: {results[start]}", flush=True)
+        text = race_table(results, args.budgets, names, target)
+        if "torch-pruning (Taylor)" in starts:
+            text += f"\n\ntorch-pruning {peers.version()}: {peer_shape(args.work, target)}."
+        publish(args, f"race-{target}", text)
         if args.plot:
             plot_race(args.plot / f"race-{target}.png", results, names, target)
 
 
+def finished(out: Path, budgets: list[int]) -> dict[int, dict] | None:
+    """The losses of a healing run already written to ``out`` for these budgets, if any: an
+    interrupted benchmark resumes with the starts it has not healed yet."""
+    info = out / HEAL_INFO
+    if not info.is_file():
+        return None
+    record = json.loads(info.read_text())
+    evaluations = {e["step"]: e for e in record["evaluations"]}
+    if record["steps"] != max(budgets) or not set(budgets) <= set(evaluations):
+        return None
+    return evaluations
+
+
+def race_start(source: Path, target: str, start: str, slug: str, args) -> Path:
+    """The folder of ``start``'s model at ``target``: a conversion, a peer's pruning, or the
+    shape from scratch (that of the compensated conversion)."""
+    how = RACE[start]
+    if how == "scratch":
+        like = args.work / f"{target}-compensated" / "out"
+        if not like.is_dir():
+            _, like = convert(source, target, "compensated", RACE["compensated"], args)
+        return from_scratch(like, args.work / f"{target}-scratch")
+    if how == "peer":
+        folder = args.work / f"{target}-{slug}"
+        if (folder / "peer.json").is_file():
+            return folder
+        record = peers.torch_pruning(
+            source, folder, SMALLER[target]["hidden_size"], SMALLER[target]["num_attention_heads"]
+        )
+        (folder / "peer.json").write_text(json.dumps(record, indent=2))
+        return folder
+    return convert(source, target, start, how, args)[1]
+
+
+def peer_shape(work: Path, target: str) -> str:
+    """What the peer's pruning reached at ``target``."""
+    record = json.loads((work / f"{target}-torch-pruning-taylor" / "peer.json").read_text())
+    return (
+        f"{record['shape']}, {record['parameters'] / 1e6:.1f}M parameters, "
+        f"pruned in {record['seconds']:.0f} s"
+    )
+
+
 def race_table(results: dict, budgets: list[int], names: list[str], target: str) -> str:
     """Losses per start (rows) and budget (columns), both texts in each cell; the best start
-    at each budget in bold; from scratch's tokens to reach compensation's zero-shot loss."""
+    at each budget in bold."""
     head = " / ".join(names)
     lines = [
         f"SmolLM2-135M-Instruct → {target}: loss {head} after each budget of healing "
@@ -277,6 +325,7 @@ def main() -> None:
     p = sub.add_parser("race")
     p.add_argument("--targets", nargs="+", choices=list(SMALLER), default=list(SMALLER))
     p.add_argument("--budgets", nargs="+", type=int, default=[0, 30, 100, 300])
+    p.add_argument("--starts", nargs="+", choices=list(RACE), default=list(RACE))
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--plot", type=Path, default=None, help="folder for race-<target>.png")

@@ -300,7 +300,7 @@ def zoo_command(
 @click.option(
     "--eval-sequences",
     type=click.IntRange(min=1),
-    default=DEFAULT_EVAL_SEQUENCES,
+    default=64,
     show_default=True,
     help="Test-split sequences of the data the held-out loss is measured on",
 )

@@ -10,6 +10,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import (
     AutoencoderConfig,
     WeightAutoencoder,
+    Windows,
     load_autoencoder,
     save_autoencoder,
 )
@@ -18,6 +19,7 @@ from lmc_mergekit.latent.codec import decode_tensor, encode_tensor, relative_err
 from lmc_mergekit.latent.merging import gaussian_transport, posterior_average, weighted_average
 from lmc_mergekit.latent.training import (
     TrainingConfig,
+    WindowStream,
     autoencoder_config_for,
     train_autoencoder,
 )
@@ -69,6 +71,28 @@ def test_training_learns_to_reconstruct_the_weights(tensors, trained):
     assert record["autoencoder_steps"] == 150 and record["final_kl"] > 0
     assert record["chunks"] == sum(-(-t.tensor.numel() // 16) for t in tensors)
     assert model.config.latent_dim == 10  # 16 / 1.6
+
+
+def test_the_window_stream_draws_what_a_bank_of_every_window_holds(tensors):
+    """Training draws its windows from the tensors as it goes; each is the window that cutting
+    every tensor into chunks and windows up front gives (values, positions, padding, tags)."""
+    model = WeightAutoencoder(autoencoder_config_for(tensors, **TINY))
+    bank, kinds, layers = [], [], []
+    for named in tensors:
+        windows = Windows.of(to_chunks(named.tensor, 16)[0], 8)
+        bank.append(windows)
+        tags = model.tags(named.kind, named.layer, windows.chunks.shape[0])
+        kinds.append(tags[0])
+        layers.append(tags[1])
+    stream = WindowStream(model, tensors, "cpu")
+    assert len(stream) == sum(w.chunks.shape[0] for w in bank) and len(stream) > 20
+    picks = torch.randperm(len(stream), generator=torch.Generator().manual_seed(0))
+    drawn, drawn_kinds, drawn_layers = stream.draw(picks)
+    for field in ("chunks", "positions", "valid"):
+        whole = torch.cat([getattr(w, field) for w in bank])
+        assert torch.equal(getattr(drawn, field), whole[picks]), field
+    assert torch.equal(drawn_kinds, torch.cat(kinds)[picks])
+    assert torch.equal(drawn_layers, torch.cat(layers)[picks])
 
 
 def test_one_tensor_encodes_and_decodes_alone_and_the_model_saves(tensors, trained, tmp_path):

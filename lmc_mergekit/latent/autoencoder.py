@@ -70,12 +70,8 @@ class Windows:
     def __getitem__(self, index) -> Windows:
         return Windows(self.chunks[index], self.positions[index], self.valid[index])
 
-    @classmethod
-    def cat(cls, parts: list[Windows]) -> Windows:
-        """The windows of several tensors, stacked."""
-        return cls(
-            *(torch.cat([getattr(p, f) for p in parts]) for f in ("chunks", "positions", "valid"))
-        )
+    def to(self, device) -> Windows:
+        return Windows(self.chunks.to(device), self.positions.to(device), self.valid.to(device))
 
     @classmethod
     def of(cls, chunks: torch.Tensor, window: int) -> Windows:

@@ -14,6 +14,7 @@ non-finite losses count, since the loss jumps by design when the KL term switche
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import AutoencoderConfig, WeightAutoencoder, Windows
-from lmc_mergekit.latent.chunks import NamedTensor, to_chunks
+from lmc_mergekit.latent.chunks import NamedTensor
 from lmc_mergekit.runtime.rollback import TrainingState, rollbacks_for_json
 from lmc_mergekit.runtime.schedule import warmup_cosine
 
@@ -75,7 +76,7 @@ def train_autoencoder(
         raise LmcError("no tensors to train the weight autoencoder on")
     torch.manual_seed(training.seed)
     model = WeightAutoencoder(config).to(device).train()
-    bank, kinds, layers = _window_bank(model, tensors, device)
+    stream = WindowStream(model, tensors, device)
     generator = torch.Generator().manual_seed(training.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=0.0)
     warmup = max(1, training.steps // 20)
@@ -96,11 +97,8 @@ def train_autoencoder(
         variational = step >= first_stage
         for group in optimizer.param_groups:
             group["lr"] = training.lr * warmup_cosine(step, training.steps, warmup) * state.lr_scale
-        picks = torch.randint(len(kinds), (training.batch_size,), generator=generator)
-        picks = picks.to(kinds.device)
-        reconstruction, kl = _batch_loss(
-            model, bank[picks], kinds[picks], layers[picks], variational, training
-        )
+        picks = torch.randint(len(stream), (training.batch_size,), generator=generator)
+        reconstruction, kl = _batch_loss(model, *stream.draw(picks), variational, training)
         loss = reconstruction + (training.beta * kl if variational else 0.0)
         value = loss.item()
         if state.diverged(value):
@@ -126,13 +124,13 @@ def train_autoencoder(
     bar.close()
     seconds = time.perf_counter() - started
     history = state.history
-    chunks_per_window = float(bank.valid.sum()) / len(kinds)
+    chunks_per_window = stream.chunks / len(stream)
     model.eval()
     record = {
         "steps": training.steps,
         "autoencoder_steps": first_stage,
-        "windows": len(kinds),
-        "chunks": int(bank.valid.sum()),
+        "windows": len(stream),
+        "chunks": stream.chunks,
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_huber": _mean_tail([h for h, _ in history]),
         "final_kl": _mean_tail([k for _, k in history]),
@@ -181,17 +179,55 @@ class _AutoencoderState(TrainingState):
         self.history = list(parts["history"])
 
 
-def _window_bank(model, tensors, device) -> tuple[Windows, torch.Tensor, torch.Tensor]:
-    """Every window of every tensor, stacked, with the kind and layer of each."""
-    parts, kinds, layers = [], [], []
-    for named in tensors:
-        chunks, _ = to_chunks(named.tensor, model.config.chunk_size)
-        windows = Windows.of(chunks.to(device), model.config.window)
-        kind, layer = model.tags(named.kind, named.layer, windows.chunks.shape[0])
-        parts.append(windows)
-        kinds.append(kind)
-        layers.append(layer)
-    return Windows.cat(parts), torch.cat(kinds), torch.cat(layers)
+class WindowStream:
+    """Every window of every tensor of ``tensors``, drawn by index without being stacked:
+    a batch's windows are cut, normalised and padded from their tensors when drawn, exactly
+    as :func:`~lmc_mergekit.latent.chunks.to_chunks` and :meth:`Windows.of` would (so the
+    training is the same as from a bank of every window), but the only copy of the weights
+    held is the models' own."""
+
+    def __init__(self, model: WeightAutoencoder, tensors: list[NamedTensor], device):
+        self.size, self.window = model.config.chunk_size, model.config.window
+        self.device = device
+        self.flat, self.norms, counts, kinds, layers = [], [], [], [], []
+        for named in tensors:
+            flat = named.tensor.detach().reshape(-1)
+            wide = flat.double()
+            mean, std = float(wide.mean()), float(wide.std()) if flat.numel() > 1 else 0.0
+            del wide
+            self.flat.append(flat)
+            self.norms.append((mean, std if std > 0 else 1.0))
+            counts.append(max(1, math.ceil(flat.numel() / self.size)))
+            kind, layer = model.tags(named.kind, named.layer, 1)
+            kinds.append(kind)
+            layers.append(layer)
+        self.counts = torch.tensor(counts)
+        windows = (self.counts + self.window - 1) // self.window
+        #: The first window of each tensor in the global numbering, and the total.
+        self.starts = torch.cumsum(windows, 0) - windows
+        self.total = int(windows.sum())
+        self.chunks = int(self.counts.sum())
+        self.kinds, self.layers = torch.cat(kinds), torch.cat(layers)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def draw(self, picks: torch.Tensor) -> tuple[Windows, torch.Tensor, torch.Tensor]:
+        """The windows numbered ``picks``, with the kind and layer index of each."""
+        owners = torch.searchsorted(self.starts, picks, right=True) - 1
+        span = self.window * self.size
+        chunks = torch.zeros(len(picks), span)
+        positions = torch.empty(len(picks), self.window, dtype=torch.long)
+        for row, (pick, owner) in enumerate(zip(picks.tolist(), owners.tolist(), strict=True)):
+            first = (pick - int(self.starts[owner])) * self.window
+            piece = self.flat[owner][first * self.size : first * self.size + span]
+            mean, std = self.norms[owner]
+            chunks[row, : len(piece)] = ((piece.double() - mean) / std).float()
+            positions[row] = torch.arange(first, first + self.window)
+        valid = positions < self.counts[owners][:, None]
+        windows = Windows(chunks.reshape(len(picks), self.window, self.size), positions, valid)
+        index = owners.to(self.kinds.device)
+        return windows.to(self.device), self.kinds[index], self.layers[index]
 
 
 def _batch_loss(model, windows: Windows, kinds, layers, variational: bool, training):

@@ -29,7 +29,7 @@ from lmc_mergekit.models.checkpoint import (
 )
 from lmc_mergekit.runtime.keys import content_key, fingerprint
 from lmc_mergekit.runtime.publish import check_output_free, staged_folder
-from lmc_mergekit.zoo.train import continue_training
+from lmc_mergekit.zoo.train import CHECKPOINT_EVERY, continue_training
 
 #: The record written beside the healed weights.
 HEAL_INFO = "heal.json"
@@ -118,6 +118,8 @@ def heal(
         evaluate_at=heal_steps_to_evaluate(steps) if evaluate_at is None else evaluate_at,
         checkpoint=checkpoint,
         identity=identity,
+        # At least ten checkpoints a run: an interruption loses a tenth of it at most.
+        checkpoint_every=max(1, min(CHECKPOINT_EVERY, steps // 10)),
     )
     record = {"source": str(folder), "data": described, **record}
     with staged_folder(out, "replace" if overwrite else "refuse") as staging:
