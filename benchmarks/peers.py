@@ -17,6 +17,7 @@ zero-shot at d=384).
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from pathlib import Path
 
@@ -31,12 +32,12 @@ BATCH = 8
 
 
 def version() -> str | None:
-    """torch-pruning's version, or None when it is not installed."""
+    """torch-pruning's installed version (its distribution's: 1.6.1's ``__version__`` still
+    says 1.6.0), or None when it is not installed."""
     try:
-        import torch_pruning
-    except ImportError:
+        return importlib.metadata.version("torch-pruning")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return torch_pruning.__version__
 
 
 def torch_pruning(source: Path, out: Path, hidden_size: int, num_attention_heads: int) -> dict:
