@@ -15,6 +15,7 @@ from tokenizer_helpers import model_with_tokenizer
 from transformers import AutoModelForCausalLM
 
 import lmc_mergekit.subclone.heal as healing
+import lmc_mergekit.zoo.finetune as finetuning
 from lmc_mergekit.cli import main
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.errors import LmcError
@@ -58,7 +59,7 @@ def tiny_run(folder: Path, **options):
     )
     test = ids[:4]
 
-    def evaluate() -> dict[str, float]:
+    def evaluate(model) -> dict[str, float]:
         with torch.no_grad():
             return {"test": float(model(input_ids=test, labels=test).loss)}
 
@@ -118,13 +119,13 @@ def test_heal_writes_the_trained_model_in_its_dtype_and_resumes(donor, text, tmp
     # Interrupted after step 6 (a checkpoint a step), the same command resumes there and
     # writes the same weights; nothing looks finished in between.
     interrupted = tmp_path / "interrupted"
-    train = healing.continue_training
+    train = finetuning.continue_training  # the loop healing runs, through train_checkpoint
     monkeypatch.setattr(
-        healing, "continue_training", lambda *a, **k: train(*a, **k, after_step=stop_after(6))
+        finetuning, "continue_training", lambda *a, **k: train(*a, **k, after_step=stop_after(6))
     )
     failed = CliRunner().invoke(main, heal_args(donor, interrupted, text))
     assert isinstance(failed.exception, Interrupted) and not interrupted.exists()
-    monkeypatch.setattr(healing, "continue_training", train)
+    monkeypatch.setattr(finetuning, "continue_training", train)
     resumed = CliRunner().invoke(main, heal_args(donor, interrupted, text))
     assert resumed.exit_code == 0, resumed.output
     assert "resumed at step 6" in resumed.output

@@ -11,25 +11,19 @@ into place only when complete and finite.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer, sample_split
 from lmc_mergekit.data.sources import data_fingerprint
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import mean_token_loss, resolve_device
-from lmc_mergekit.models.checkpoint import (
-    copy_tagalong_files,
-    first_non_finite,
-    model_dir,
-    stored_dtype,
-)
+from lmc_mergekit.models.checkpoint import model_dir
 from lmc_mergekit.runtime.keys import content_key, fingerprint
-from lmc_mergekit.runtime.publish import check_output_free, staged_folder
-from lmc_mergekit.zoo.train import CHECKPOINT_EVERY, continue_training
+from lmc_mergekit.runtime.publish import check_output_free
+from lmc_mergekit.zoo.finetune import train_checkpoint
+from lmc_mergekit.zoo.train import CHECKPOINT_EVERY
 
 #: The record written beside the healed weights.
 HEAL_INFO = "heal.json"
@@ -88,11 +82,8 @@ def heal(
     train, described = sample_split(data, tokenizer, "train", steps * batch_size)
     if test is None:
         test = {"test": load_split(data, tokenizer, "test", eval_sequences)}
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, trust_remote_code=trust_remote_code
-    ).to(resolve_device(device))
 
-    def losses() -> dict[str, float]:
+    def losses(model) -> dict[str, float]:
         return {name: mean_token_loss(model, seqs).loss for name, seqs in test.items()}
 
     identity = {
@@ -104,14 +95,19 @@ def heal(
     checkpoint = None
     if cache_dir is not None:
         checkpoint = Path(cache_dir) / "heal" / f"{content_key(identity)}-{steps}.pt"
-    record = continue_training(
-        model,
+    return train_checkpoint(
+        folder,
+        out,
         train,
+        HEAL_INFO,
+        {"source": str(folder), "data": described},
+        existing="replace" if overwrite else "refuse",
+        device=resolve_device(device),
+        trust_remote_code=trust_remote_code,
         seed=seed,
         steps=steps,
         batch_size=batch_size,
         lr=lr,
-        warmup=steps // 10,
         progress=progress,
         desc=f"healing {folder.name}",
         evaluate=losses,
@@ -121,15 +117,3 @@ def heal(
         # At least ten checkpoints a run: an interruption loses a tenth of it at most.
         checkpoint_every=max(1, min(CHECKPOINT_EVERY, steps // 10)),
     )
-    record = {"source": str(folder), "data": described, **record}
-    with staged_folder(out, "replace" if overwrite else "refuse") as staging:
-        model.to(stored_dtype(folder)).save_pretrained(staging)
-        copy_tagalong_files(folder, staging)
-        bad = first_non_finite(staging)
-        if bad is not None:
-            raise LmcError(
-                f"healing left a non-finite value in {bad[0]}; nothing was written; "
-                "try a smaller --lr"
-            )
-        (staging / HEAL_INFO).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return record

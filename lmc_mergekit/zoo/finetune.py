@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmc_mergekit.data.sequences import DataConfig, load_split
-from lmc_mergekit.models.checkpoint import stored_dtype
-from lmc_mergekit.runtime.publish import staged_folder
+from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.checkpoint import copy_tagalong_files, first_non_finite, stored_dtype
+from lmc_mergekit.runtime.publish import Existing, staged_folder
 from lmc_mergekit.zoo.train import continue_training
 
 FINETUNE_INFO = "finetune.json"
@@ -37,21 +38,53 @@ def finetune(
         return out
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     train = load_split(data, tokenizer, "train", max_sequences=steps * batch_size)
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, use_kernels=False)
-    record = continue_training(
-        model,
+    train_checkpoint(
+        base,
+        out,
         train,
+        FINETUNE_INFO,
+        {"base": str(base), "data": data.source},
+        existing="replace",
         seed=seed,
         steps=steps,
         batch_size=batch_size,
         lr=lr,
-        warmup=steps // 10,
         progress=progress,
         desc=f"fine-tuning {base.name}",
     )
-    with staged_folder(out, "replace") as staging:
-        model.to(stored_dtype(base)).save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        info = {"base": str(base), "data": data.source, **record}
-        (staging / FINETUNE_INFO).write_text(json.dumps(info, indent=2), encoding="utf-8")
     return out
+
+
+def train_checkpoint(
+    base: Path,
+    out: Path,
+    train: torch.Tensor,
+    info_file: str,
+    info: dict,
+    *,
+    existing: Existing = "refuse",
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+    **loop,
+) -> dict:
+    """Train the checkpoint ``base`` on the sequences ``train`` with the tool's one training
+    loop (float32; ``loop``: :func:`continue_training`'s settings, warm-up over a tenth by
+    default) and write it to ``out`` in ``base``'s dtype with its tokenizer files and the run's
+    record (``info`` and the loop's) as ``info_file``; staged, and refused with nothing written
+    if a value is not finite. Returns the record."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(base), dtype=torch.float32, trust_remote_code=trust_remote_code, use_kernels=False
+    ).to(device)
+    loop.setdefault("warmup", loop["steps"] // 10)
+    record = {**info, **continue_training(model, train, **loop)}
+    with staged_folder(out, existing) as staging:
+        model.to(stored_dtype(base)).save_pretrained(staging)
+        copy_tagalong_files(base, staging)
+        bad = first_non_finite(staging)
+        if bad is not None:
+            raise LmcError(
+                f"training left a non-finite value in {bad[0]}; nothing was written; "
+                "try a smaller learning rate"
+            )
+        (staging / info_file).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record

@@ -109,7 +109,7 @@ def continue_training(
     progress: bool = True,
     desc: str = "training",
     after_step: Callable[[int], None] | None = None,
-    evaluate: Callable[[], dict[str, float]] | None = None,
+    evaluate: Callable[[PreTrainedModel], dict[str, float]] | None = None,
     evaluate_at: Collection[int] = (),
     checkpoint: Path | None = None,
     identity=None,
@@ -122,7 +122,7 @@ def continue_training(
     data in the same order whatever their starting weights. The learning rate warms up
     linearly over ``warmup`` steps (at most a fifth of training), then decays along a cosine
     to a tenth of ``lr``. ``after_step(n)`` is called after the ``n``-th step (1-based), e.g.
-    to evaluate part-way; ``evaluate()`` (named held-out losses) runs before the steps listed
+    to evaluate part-way; ``evaluate(model)`` (named held-out losses) runs before the steps listed
     in ``evaluate_at`` (0: before training; ``steps``: at the end) and its results are the
     record's ``evaluations``.
 
@@ -151,7 +151,7 @@ def continue_training(
     while state.step < steps:
         step = state.step
         if step in evaluate_at and step not in state.evaluated:
-            state.evaluations.append({"step": step, **evaluate()})
+            state.evaluations.append({"step": step, **evaluate(model)})
             model.train()
         for group in optimizer.param_groups:
             group["lr"] = lr * warmup_cosine(step, steps, warmup, MIN_LR_FRACTION) * state.lr_scale
@@ -185,7 +185,7 @@ def continue_training(
             )
     bar.close()
     if steps in evaluate_at and steps not in state.evaluated:
-        state.evaluations.append({"step": steps, **evaluate()})
+        state.evaluations.append({"step": steps, **evaluate(model)})
     wall = time.perf_counter() - started
     model.eval()
     if checkpoint is not None:
