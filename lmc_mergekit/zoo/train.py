@@ -146,13 +146,17 @@ def continue_training(
     tokens_per_step = batch_size * train.shape[1]
     evaluate_at = set(evaluate_at) if evaluate is not None else set()
 
+    def evaluate_if_due(step: int) -> None:
+        # A resumed run has the evaluations its checkpoint holds: each step is measured once.
+        if step in evaluate_at and step not in state.evaluated:
+            state.evaluations.append({"step": step, **evaluate(model)})
+            model.train()
+
     bar = tqdm(total=steps, initial=start, desc=desc, unit="step", disable=not progress)
     started = time.perf_counter()
     while state.step < steps:
         step = state.step
-        if step in evaluate_at and step not in state.evaluated:
-            state.evaluations.append({"step": step, **evaluate(model)})
-            model.train()
+        evaluate_if_due(step)
         for group in optimizer.param_groups:
             group["lr"] = lr * warmup_cosine(step, steps, warmup, MIN_LR_FRACTION) * state.lr_scale
         batch = train[batches.next().to(device)]
@@ -184,8 +188,7 @@ def continue_training(
                 tok_s=f"{tokens_per_step * (state.step - start) / elapsed:.0f}",
             )
     bar.close()
-    if steps in evaluate_at and steps not in state.evaluated:
-        state.evaluations.append({"step": steps, **evaluate(model)})
+    evaluate_if_due(steps)
     wall = time.perf_counter() - started
     model.eval()
     if checkpoint is not None:
