@@ -1,7 +1,7 @@
 """Time and whole-command memory of every pass on checkpoints in real models' configurations.
 
     python benchmarks/real_configs.py table [--configs llama-3.2-1b qwen3-0.6b gemma-2-2b
-        olmo-2-1b gemma-3-4b] [--passes lmc_dm learn subclone ls_merge] [--layers N]
+        olmo-2-1b gemma-3-270m gemma-3-4b] [--passes lmc_dm learn subclone ls_merge] [--layers N]
         [--work DIR] [--rounds N] [--eval-sequences N] [--points N] [--markdown docs/results.md]
 
 Builds (once, under ``--work``, in a child process) two random-initialised bf16 checkpoints per
@@ -85,6 +85,10 @@ LLAMA3_ROPE = {
 }
 GEMMA3_4B_ROPE = {
     "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
 CONFIGS: dict[str, RealConfig] = {
@@ -198,6 +202,30 @@ CONFIGS: dict[str, RealConfig] = {
             "intermediate_size": 4096,
         },
         note="OLMo-2-0425-1B is the smallest OLMo 2: half width, head size 128 kept",
+    ),
+    "gemma-3-270m": RealConfig(
+        "gemma3_text",
+        {
+            "hidden_size": 640,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "intermediate_size": 2048,
+            "vocab_size": 262144,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 512,
+            "rope_parameters": GEMMA3_ROPE,
+            "tie_word_embeddings": True,
+        },
+        layers=18,
+        bos="<bos>",
+        eos="<eos>",
+        smaller={"hidden_size": 320, "intermediate_size": 1024},
+        note="no smaller Gemma 3 exists: half width and MLP, heads and head size kept",
     ),
     "gemma-3-4b": RealConfig(
         "gemma3",

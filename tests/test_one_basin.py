@@ -15,7 +15,7 @@ from conftest import SMALL_ZOO
 from safetensors.torch import load_file
 
 from lmc_mergekit.data import DataConfig, bundled_text_files
-from lmc_mergekit.matching.starts import CLEAR_MARGIN, clearly_lower
+from lmc_mergekit.matching.starts import CLEAR_MARGIN, clearly_lower, early_decision
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry.group import untying_gains
 
@@ -34,6 +34,55 @@ def test_a_start_replaces_another_only_when_clearly_lower():
     kept, figures = clearly_lower(current, current - 0.1 + spread)
     assert not kept and figures["threshold"] > 0.1 and figures["lower_by"] == pytest.approx(0.1)
     assert not clearly_lower(current, current + 0.5)[0]  # higher
+
+
+def test_a_decision_is_taken_early_only_when_the_first_sequences_clear_it():
+    noise = torch.tensor([0.01, -0.01, 0.02, -0.02], dtype=torch.float64)
+    assert early_decision(1.0 + noise, CLEAR_MARGIN) is True  # a scramble's barrier
+    assert early_decision(-0.2 + noise, CLEAR_MARGIN) is False  # a fine-tune's
+    assert early_decision(CLEAR_MARGIN + 10 * noise, CLEAR_MARGIN) is None  # a close call
+
+
+def test_clear_starts_are_scored_on_the_first_sequences_only(tmp_path):
+    """A clear barrier check, and a comparison with a mix that is the raw one itself, are
+    decided on the first sequences, as all sequences decide them; a close call reads all."""
+    from tiny_models import build_model, probe_ids
+
+    from lmc_mergekit.evaluation.blockwise import MixedView, sequence_losses
+    from lmc_mergekit.matching.starts import FIRST_SEQUENCES, StartScorer
+    from lmc_mergekit.models.adapters import open_model
+    from lmc_mergekit.models.block_runner import BlockRunner
+    from lmc_mergekit.symmetry import Transform, random_transform
+    from lmc_mergekit.transform_checkpoint import transform_checkpoint
+
+    source = build_model("llama", tmp_path / "m")
+    spec = open_model(source).spec
+    scrambled = tmp_path / "s"
+    transform_checkpoint(source, scrambled, random_transform(spec, seed=1), progress=False)
+    views = [open_model(source), open_model(scrambled)]
+    runner = BlockRunner(source, views[0].adapter, spec, torch.device("cpu"))
+    identity = Transform(spec.num_layers)
+    sequences = probe_ids(seed=3, shape=(16, 24))
+    scorer = StartScorer(*views, identity, runner, runner, sequences)
+    scorer.score("kept", None)
+    no_barrier = scorer.leaves_no_barrier("kept")
+    mix = sequence_losses(MixedView(*views, 0.5), runner, sequences)
+    ends = sum(sequence_losses(view, runner, sequences) for view in views) / 2
+    assert no_barrier == (float((mix - ends).mean()) <= CLEAR_MARGIN)
+    scorer.score("itself", identity)  # the scrambled copy as it is: the same mix
+    better, figures = scorer.compare("kept", "itself")
+    assert not better and figures["sequences"] == FIRST_SEQUENCES
+    assert scorer.read == {"kept": 4, "endpoints": 4, "itself": 4}
+    # Two mixes whose per-sequence differences straddle the margin: all sequences decide.
+    scorer._losses["close"] = (
+        scorer._losses["kept"]
+        - CLEAR_MARGIN
+        + torch.tensor([0.3, -0.3, 0.3, -0.3], dtype=torch.float64)
+    )
+    scorer._mixes["close"] = scorer._mixes["kept"]
+    scorer.read["close"] = 4
+    scorer.compare("kept", "close")
+    assert scorer.read["kept"] == scorer.read["close"] == 16
 
 
 def run(models: list[Path], tmp_path: Path, name: str, method="lmc_dm", **alignment):

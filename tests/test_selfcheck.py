@@ -71,6 +71,31 @@ def test_a_changed_weight_is_refused(model_dirs, tmp_path):
         check_transformed(open_model(source), transform, candidate)
 
 
+@pytest.mark.parametrize(
+    ("variant", "tensor", "where"),
+    [
+        ("llama_gqa_tied", "model.embed_tokens.weight", "embeddings tokens"),
+        ("llama", "lm_head.weight", "head weight"),
+    ],
+)
+def test_a_changed_vocabulary_row_is_refused_when_checked_a_slice_at_a_time(
+    model_dirs, tmp_path, monkeypatch, variant, tensor, where
+):
+    from lmc_mergekit.models import block_runner
+
+    monkeypatch.setattr(block_runner, "VOCAB_ROWS", 7)  # the vocabulary in slices of 7 rows
+    source = model_dirs[variant]
+    moved, transform = _moved(source, tmp_path)
+    assert check_transformed(open_model(source), transform, moved) < 1e-5
+
+    def perturb(tensors):
+        tensors[tensor][-1] = tensors[tensor][-1] * 1.01  # the last slice's last row
+
+    candidate = _copy_with(moved, tmp_path / "changed", perturb)
+    with pytest.raises(LmcError, match=rf"stores {where} .* units in the last place"):
+        check_transformed(open_model(source), transform, candidate)
+
+
 def test_a_small_bfloat16_mistake_that_rounding_would_hide_is_refused(model_dirs, tmp_path):
     """In bf16 a few units in the last place of one head's output projection move the logits
     less than the old tolerance (5e-2 of the largest logit) allowed: the check sees them."""

@@ -12,6 +12,7 @@ differently, the mix reads the tied one's embedding as its head.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,23 +23,35 @@ from tqdm.auto import tqdm
 
 from lmc_mergekit.evaluation.loss import LossResult, mean_token_loss, resolve_device
 from lmc_mergekit.evaluation.selfcheck import load_fp32, runs_blockwise
+from lmc_mergekit.models import block_runner
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.block_runner import (
     BlockRunner,
-    embed,
+    embedded,
     final_norm,
     head_logits,
     soft_capped,
 )
-from lmc_mergekit.models.view import Head, ModelSpec, ModelView, iter_tensors, map_named_tensors
+from lmc_mergekit.models.view import (
+    Head,
+    ModelSpec,
+    ModelView,
+    iter_tensors,
+    map_named_tensors,
+    row_chunks,
+)
 
 #: Bytes of float32 residual stream held at once (sequences beyond it run in another group,
 #: whose blocks are read again).
 GROUP_BYTES = 256 * 2**20
 #: Sequences a block runs on at a time.
 BATCH = 16
-#: Tokens whose logits are made at a time (at a 256k vocabulary, 256 MiB of float32).
-LOSS_TOKENS = 256
+#: Tokens run through the head at a time (their float32 logits over a 262k vocabulary would be
+#: 2 GiB: the vocabulary is then read in slices, see :func:`token_losses`).
+HEAD_TOKENS = 2048
+#: Rows of two tensors mixed at a time: the float32 copies of a vocabulary-sized matrix are
+#: made a slice at a time, next to the one float32 result.
+MIX_ROWS = 8192
 
 
 def checkpoint_loss(
@@ -71,9 +84,7 @@ class MixedView:
 
     def _mix(self, part_a, part_b):
         others = dict(iter_tensors(part_b))
-        return map_named_tensors(
-            part_a, lambda name, t: torch.lerp(t.float(), others[name].float(), self.lam)
-        )
+        return map_named_tensors(part_a, lambda name, t: mixed(t, others[name], self.lam))
 
     def embeddings(self):
         return self._mix(self.a.embeddings(), self.b.embeddings())
@@ -83,6 +94,24 @@ class MixedView:
 
     def head(self):
         return self._mix(self.a.head(), self.b.head())
+
+    def row_chunks(self, read: str, rows: int):
+        """See :func:`~lmc_mergekit.models.view.row_chunks`: a slice of each, mixed."""
+        pairs = zip(row_chunks(self.a, read, rows), row_chunks(self.b, read, rows), strict=True)
+        for part_a, part_b in pairs:
+            yield self._mix(part_a, part_b)
+
+
+def mixed(a: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
+    """``(1-λ)·a + λ·b`` in float32, :data:`MIX_ROWS` rows at a time (no float32 copy of a
+    whole half-precision input)."""
+    if a.ndim == 0 or a.shape[0] <= MIX_ROWS:
+        return torch.lerp(a.float(), b.float(), lam)
+    out = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    for start in range(0, a.shape[0], MIX_ROWS):
+        rows = slice(start, start + MIX_ROWS)
+        torch.lerp(a[rows].float(), b[rows].float(), lam, out=out[rows])
+    return out
 
 
 @torch.no_grad()
@@ -116,11 +145,10 @@ def sequence_losses(
 def _summed_losses(view, runner, sequences, batch_size, progress, per_sequence) -> list[float]:
     """Summed next-token losses of ``view``'s model: one per group of sequences run at once,
     or one per sequence (``per_sequence``)."""
-    sums, head = [], None
+    sums = []
     for ids, residual in final_streams(view, runner, sequences, batch_size, progress):
-        head = view.head() if head is None else head  # read (or mixed) once
-        rows = [slice(r, r + 1) for r in range(len(ids))] if per_sequence else [slice(None)]
-        sums += [summed_loss(head, view.spec, residual[r], ids[r]) for r in rows]
+        losses = token_losses(view, residual, ids)
+        sums += losses.sum(dim=1).tolist() if per_sequence else [float(losses.sum())]
     return sums
 
 
@@ -139,7 +167,7 @@ def final_streams(
     bar = tqdm(total=len(sequences), unit="seq", desc="loss", disable=not progress)
     for ids in sequences.split(group):
         ids = ids.to(device=device, dtype=torch.long)
-        residual = embed(view.embeddings(), ids, spec).to(device, torch.float32)
+        residual = embedded(view, ids).to(device, torch.float32)
         for index in range(spec.num_layers):
             pieces = runner.each(view.block(index), residual.split(batch_size), index)
             residual = torch.cat([piece.output for piece in pieces])
@@ -148,15 +176,52 @@ def final_streams(
     bar.close()
 
 
-def summed_loss(head: Head, spec: ModelSpec, residual: torch.Tensor, ids: torch.Tensor) -> float:
-    """The summed next-token cross-entropy of the last residual stream ``residual`` through
-    the final norm and ``head`` of a model of ``spec``, :data:`LOSS_TOKENS` tokens at a time."""
+def token_losses(view: ModelView, residual: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The next-token cross-entropy of every position of ``ids`` ``(n, L)`` (float32 ``(n,
+    L-1)``) from the last residual stream ``residual`` through ``view``'s final norm and head:
+    :data:`HEAD_TOKENS` tokens at a time, the head read whole where their float32 logits fit
+    ``LOGITS_BYTES``, else a slice of vocabulary rows at a time (read, moved or mixed alone:
+    :func:`~lmc_mergekit.models.view.row_chunks`) with a running log-sum-exp, a fused linear
+    cross-entropy: no tokens × vocabulary tensor and no whole float32 head."""
     states = residual[:, :-1].reshape(-1, residual.shape[-1])
     targets = ids[:, 1:].reshape(-1)
-    total = 0.0
-    for start in range(0, len(targets), LOSS_TOKENS):
-        stop = start + LOSS_TOKENS
-        normed = final_norm(head.norm, states[start:stop], spec)
-        logits = soft_capped(head_logits(normed, head.weight, head.bias), spec)
-        total += float(F.cross_entropy(logits.float(), targets[start:stop], reduction="sum"))
-    return total
+    losses = []
+    for start in range(0, len(targets), HEAD_TOKENS):
+        stop = start + HEAD_TOKENS
+        part, wanted = states[start:stop], targets[start:stop]
+        rows = max(1, block_runner.LOGITS_BYTES // (4 * len(wanted)))
+        if rows >= view.spec.vocab_size:
+            losses.append(_whole_cross_entropy(view, part, wanted))
+        else:
+            chunks = row_chunks(view, "head", rows)
+            losses.append(_streamed_cross_entropy(chunks, view.spec, part, wanted))
+    return torch.cat(losses).reshape(ids.shape[0], -1)
+
+
+def _whole_cross_entropy(view: ModelView, states: torch.Tensor, targets: torch.Tensor):
+    head, spec = view.head(), view.spec
+    normed = final_norm(head.norm, states, spec)
+    logits = soft_capped(head_logits(normed, head.weight, head.bias), spec)
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def _streamed_cross_entropy(
+    chunks: Iterator[Head], spec: ModelSpec, states: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Per token, the cross-entropy of the logits of the head given as ``chunks`` of its
+    vocabulary rows (soft-capped) against ``targets``, with a running log-sum-exp."""
+    top = states.new_full((len(targets),), -math.inf, dtype=torch.float32)
+    total, picked = torch.zeros_like(top), torch.zeros_like(top)
+    normed, start = None, 0
+    for head in chunks:
+        if normed is None:  # every chunk carries the whole final norm
+            normed = final_norm(head.norm, states, spec)
+        logits = soft_capped(head_logits(normed, head.weight, head.bias), spec).float()
+        stop = start + logits.shape[1]
+        new_top = torch.maximum(top, logits.max(dim=1).values)
+        total = total * torch.exp(top - new_top) + torch.exp(logits - new_top[:, None]).sum(1)
+        top = new_top
+        inside = (targets >= start) & (targets < stop)
+        picked[inside] = logits[inside, targets[inside] - start]
+        start = stop
+    return total.log() + top - picked

@@ -34,7 +34,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import CheckpointView, open_model
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.checkpoint import read_config, row_slices
-from lmc_mergekit.models.view import iter_tensors
+from lmc_mergekit.models.view import iter_tensors, row_chunks
 from lmc_mergekit.symmetry import Transform, apply_transform
 
 #: Relative logits error allowed between two float32 computations of one function.
@@ -147,6 +147,13 @@ class _StoredAsExact:
 
     def head(self):
         return self._checked("head", self.exact.head(), self.written.head())
+
+    def row_chunks(self, read: str, rows: int):
+        """The exact part ``read`` a slice of vocabulary rows at a time, each slice checked
+        against the written one first (:func:`~lmc_mergekit.models.view.row_chunks`)."""
+        exact, written = row_chunks(self.exact, read, rows), row_chunks(self.written, read, rows)
+        for want, got in zip(exact, written, strict=True):
+            yield self._checked(read, want, got)
 
     def _checked(self, where: str, exact, written):
         check_stored(where, exact, written, self.written.folder.name)

@@ -271,11 +271,14 @@ def choose_start(
         )
         if better:
             current, transform, record = kind, found, found_record
+    for kind, found_record in tried.items():  # a score may have read more sequences since
+        found_record["mix_loss"] = scorer.scores[kind]
     record = {
         **record,
         "matching": current,
         "tried": tried,
         "scores": dict(scorer.scores),
+        "scored_sequences": dict(scorer.read),
         "decision": "; ".join(notes),
     }
     return transform, record

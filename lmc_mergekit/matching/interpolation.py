@@ -36,6 +36,7 @@ from lmc_mergekit.models.block_runner import (
     embed,
     final_norm,
     head_logits,
+    loss_tokens,
     soft_capped,
 )
 from lmc_mergekit.models.view import (
@@ -226,7 +227,7 @@ class InterpolationObjective(nn.Module):
                     spec,
                     use_reentrant=False,
                 )
-                for start, stop in _spans(len(targets), LOSS_TOKENS)
+                for start, stop in _spans(len(targets), loss_tokens(len(readers[0].weight)))
             ]
             return sum(pieces[1:], pieces[0]) / len(targets)
 
@@ -234,11 +235,6 @@ class InterpolationObjective(nn.Module):
         for index, module in enumerate(self.blocks):
             residual = checkpoint(module, block(index), residual, use_reentrant=False)
         return self.head(loss, residual)
-
-
-#: Tokens whose logits one piece of the loss makes at a time: at a 128k vocabulary a batch of
-#: 16×128 tokens has 1 GB of float32 logits, and the loss and its gradient copy them.
-LOSS_TOKENS = 512
 
 
 class HeadReader(NamedTuple):

@@ -10,8 +10,12 @@ is lower by a clear margin: more than :data:`CLEAR_MARGIN` nats and more than tw
 standard error of the per-sequence differences (paired: both mixes read the same sequences).
 No further start is tried once the current one leaves no barrier at ½ (its mix no more than
 :data:`CLEAR_MARGIN` above the mean of the two models' own losses): nothing is left for a
-dearer start to remove. The margin and its evidence (fine-tunes of every zoo family, pairs from
-different seeds) are in docs/how-it-works.md, measured by ``benchmarks/one_basin.py``.
+dearer start to remove. Every start is scored on the first :data:`FIRST_SEQUENCES` sequences
+first; the rest are read only where those leave a decision open (it must clear its threshold
+by :data:`EARLY_SIGMAS` standard errors on them): a scramble, or a base and its fine-tune, is
+decided on four sequences, a close call on all. The margin and its evidence (fine-tunes of
+every zoo family, pairs from different seeds) are in docs/how-it-works.md, measured by
+``benchmarks/one_basin.py``.
 """
 
 from __future__ import annotations
@@ -38,24 +42,50 @@ CLEAR_MARGIN = 0.1
 ORDER = ("kept", "weights", "activations")
 
 
+#: Calibration sequences every start is first scored on; the rest of :data:`SCORE_SEQUENCES`
+#: are read only where these leave a decision open.
+FIRST_SEQUENCES = 4
+#: Standard errors by which a decision taken on the first sequences must clear its threshold
+#: (a t of 5 on 3 degrees of freedom: about one chance in 130 of a sign error, where the two
+#: sides are equal; a scramble or a pair from different seeds clears it by 20 or more).
+EARLY_SIGMAS = 5.0
+
+
+def _figures(difference: torch.Tensor) -> tuple[float, float]:
+    """The mean of per-sequence ``difference`` and its standard error."""
+    difference = difference.double()
+    mean = float(difference.mean())
+    spread = float(difference.std()) if len(difference) > 1 else 0.0
+    return mean, spread / math.sqrt(len(difference))
+
+
 def clearly_lower(current: torch.Tensor, candidate: torch.Tensor) -> tuple[bool, dict]:
     """Whether per-sequence losses ``candidate`` are clearly lower than ``current`` (see the
     module docstring), and the comparison's figures (mean difference, its standard error and
     the threshold it had to pass)."""
-    difference = (current - candidate).double()
-    mean = float(difference.mean())
-    spread = float(difference.std()) if len(difference) > 1 else 0.0
-    error = spread / math.sqrt(len(difference))
+    mean, error = _figures(current - candidate)
     threshold = max(CLEAR_MARGIN, 2 * error)
     figures = {"lower_by": round(mean, 6), "standard_error": round(error, 6)}
     return mean > threshold, {**figures, "threshold": round(threshold, 6)}
+
+
+def early_decision(difference: torch.Tensor, threshold: float) -> bool | None:
+    """Whether the mean of per-sequence ``difference`` is above ``threshold``, where its first
+    sequences already say so by :data:`EARLY_SIGMAS` standard errors; None where they do not."""
+    mean, error = _figures(difference)
+    if mean - EARLY_SIGMAS * error > threshold:
+        return True
+    if mean + EARLY_SIGMAS * error < threshold:
+        return False
+    return None
 
 
 @dataclass
 class StartScorer:
     """Scores the starts of ``other`` against ``reference`` on ``sequences``: the raw models'
     mix through ``raw_runner``, moved mixes (the reference moved by ``reference_transform``)
-    through ``moved_runner`` (their norms absorbed)."""
+    through ``moved_runner`` (their norms absorbed). Each is scored on the first
+    :data:`FIRST_SEQUENCES` sequences, and on the rest only where a decision needs them."""
 
     reference: ModelView
     other: ModelView
@@ -65,22 +95,30 @@ class StartScorer:
     sequences: torch.Tensor
     #: Per start, the mean loss of its mix; ``endpoints``: the mean of the two models' own.
     scores: dict[str, float] = field(default_factory=dict)
+    #: Per start, the sequences its score read.
+    read: dict[str, int] = field(default_factory=dict)
     _losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    _mixes: dict[str, tuple] = field(default_factory=dict)
 
-    def _endpoints(self) -> torch.Tensor:
-        """Per sequence, the mean of the two models' own losses (computed once)."""
-        if "endpoints" not in self._losses:
-            ends = [
-                sequence_losses(v, self.raw_runner, self.sequences)
-                for v in (self.reference, self.other)
-            ]
-            self._losses["endpoints"] = (ends[0] + ends[1]) / 2
-            self.scores["endpoints"] = round(float(self._losses["endpoints"].mean()), 6)
-        return self._losses["endpoints"]
+    def _scored(self, key: str, count: int) -> torch.Tensor:
+        """Per sequence, ``key``'s losses on the first ``count`` sequences (those not yet read
+        are run now)."""
+        have = self._losses.get(key, torch.zeros(0, dtype=torch.float64))
+        if len(have) < count:
+            more = self.sequences[len(have) : count]
+            pairs = self._mixes[key]
+            losses = sum(sequence_losses(v, r, more) for v, r in pairs) / len(pairs)
+            have = self._losses[key] = torch.cat([have, losses])
+            self.scores[key] = round(float(have.mean()), 6)
+            self.read[key] = len(have)
+        return have[:count]
+
+    def _first(self) -> int:
+        return min(FIRST_SEQUENCES, len(self.sequences))
 
     def score(self, start: str, transform: Transform | None) -> float:
         """The mean loss of the mix at ½ of the reference and ``other`` moved by
-        ``transform`` (``None``: both kept as they are)."""
+        ``transform`` (``None``: both kept as they are), on the first sequences."""
         if transform is None:
             mix = MixedView(self.reference, self.other, 0.5)
             runner = self.raw_runner
@@ -88,18 +126,41 @@ class StartScorer:
             moved = apply_transform(self.reference, self.reference_transform)
             mix = MixedView(moved, apply_transform(self.other, transform), 0.5)
             runner = self.moved_runner
-        self._losses[start] = sequence_losses(mix, runner, self.sequences)
-        self.scores[start] = round(float(self._losses[start].mean()), 6)
+        self._mixes[start] = ((mix, runner),)
+        self._mixes.setdefault(
+            "endpoints", ((self.reference, self.raw_runner), (self.other, self.raw_runner))
+        )
+        self._scored(start, self._first())
         return self.scores[start]
 
     def barrier(self, start: str) -> float:
-        """How far ``start``'s mix lies above the mean of the two models' own losses."""
-        return float((self._losses[start] - self._endpoints()).mean())
+        """How far ``start``'s mix lies above the mean of the two models' own losses (on the
+        sequences both were scored on)."""
+        count = self.read[start]
+        return float((self._scored(start, count) - self._scored("endpoints", count)).mean())
 
     def leaves_no_barrier(self, start: str) -> bool:
         """Whether ``start``'s mix is within :data:`CLEAR_MARGIN` of the models' own losses."""
-        return self.barrier(start) <= CLEAR_MARGIN
+        count = self._first()
+        difference = self._scored(start, count) - self._scored("endpoints", count)
+        above = early_decision(difference, CLEAR_MARGIN)
+        if above is None:  # the first sequences do not say: all of them decide, by their mean
+            self._extend(start, "endpoints")
+            above = self.barrier(start) > CLEAR_MARGIN
+        return not above
 
     def compare(self, current: str, candidate: str) -> tuple[bool, dict]:
         """Whether ``candidate`` (scored) replaces ``current``, and the figures."""
-        return clearly_lower(self._losses[current], self._losses[candidate])
+        count = self._first()
+        difference = self._scored(current, count) - self._scored(candidate, count)
+        if early_decision(difference, CLEAR_MARGIN) is None:
+            self._extend(current, candidate)
+        count = min(self.read[current], self.read[candidate])
+        better, figures = clearly_lower(
+            self._scored(current, count), self._scored(candidate, count)
+        )
+        return better, {**figures, "sequences": count}
+
+    def _extend(self, *keys: str) -> None:
+        for key in keys:
+            self._scored(key, len(self.sequences))

@@ -48,8 +48,6 @@ from lmc_mergekit.matching.assignment import (
 )
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_normed_qk_maps, fit_rope_maps
 from lmc_mergekit.matching.procrustes import residual_procrustes
-from lmc_mergekit.models.adapters.base import CheckpointView
-from lmc_mergekit.models.checkpoint import CheckpointReader, MetaReader, RowsReader
 from lmc_mergekit.models.view import (
     Attention,
     Block,
@@ -59,6 +57,7 @@ from lmc_mergekit.models.view import (
     ModelView,
     iter_tensors,
     map_tensors,
+    row_chunks,
 )
 from lmc_mergekit.symmetry import LayerTransform, Transform
 from lmc_mergekit.symmetry.actions import (
@@ -309,28 +308,6 @@ def _rows_only(part: Embeddings | Head) -> Embeddings | Head:
     return replace(part, norm=replace(part.norm, weight=part.norm.weight[:0], bias=None))
 
 
-def _row_chunks(view: ModelView, read: str, field: str) -> Iterator[Embeddings | Head]:
-    """``view``'s part ``read`` (``embeddings`` or ``head``) with :data:`ROW_CHUNK` rows of
-    its matrix ``field`` at a time (and of a head's bias), the rest of the part whole. Where
-    the checkpoint stores that matrix as it is, each slice is read alone; otherwise the part is
-    read whole once and sliced."""
-    if isinstance(view, CheckpointView):
-        reader = CheckpointReader(view.folder)
-        traced = MetaReader(reader)
-        part = getattr(view.adapter, f"read_{read}")(traced, view.spec)
-        name = traced.name_of(getattr(part, field))
-        if name is not None and getattr(part, "bias", None) is None:
-            count = reader.shape(name)[0]
-            for start in range(0, count, ROW_CHUNK):
-                rows = RowsReader(reader, name, start, min(start + ROW_CHUNK, count))
-                yield getattr(view.adapter, f"read_{read}")(rows, view.spec)
-            return
-    part = getattr(view, read)()
-    sliced = [field] + (["bias"] if getattr(part, "bias", None) is not None else [])
-    for start in range(0, len(getattr(part, field)), ROW_CHUNK):
-        yield replace(part, **{f: getattr(part, f)[start : start + ROW_CHUNK] for f in sliced})
-
-
 def match_layer(
     a: Block,
     b: Block,
@@ -436,9 +413,9 @@ class _Working:
 
     def chunks(self, read: str) -> Iterator[Embeddings | Head]:
         """The embeddings (``read``: ``embeddings``) or the head (``head``), :data:`ROW_CHUNK`
-        token rows at a time, each chunk with the rest of its part (see :func:`_row_chunks`)."""
-        field = "tokens" if read == "embeddings" else "weight"
-        for part in _row_chunks(self.view, read, field):
+        token rows at a time, each chunk with the rest of its part (see
+        :func:`~lmc_mergekit.models.view.row_chunks`)."""
+        for part in row_chunks(self.view, read, ROW_CHUNK):
             yield _move_outside(self._work(part), self._absorb)
 
     def block(self, index: int) -> Block:

@@ -24,7 +24,16 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import Adapter
 from lmc_mergekit.models.checkpoint import read_config
 from lmc_mergekit.models.functional import FunctionalModel
-from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView, Norm
+from lmc_mergekit.models.view import (
+    VOCAB_ROWS,
+    Block,
+    Embeddings,
+    Head,
+    ModelSpec,
+    ModelView,
+    Norm,
+    row_chunks,
+)
 
 
 @dataclass(frozen=True)
@@ -179,10 +188,11 @@ class BlockRunner:
         """The logits of the model ``view`` (of this runner's shape) on ``input_ids``, computed
         block by block: what a checkpoint written from ``view`` must reproduce."""
         spec = view.spec
-        residual = embed(view.embeddings(), input_ids, spec).to(self.device, torch.float32)
+        residual = embedded(view, input_ids).to(self.device, torch.float32)
         for index in range(spec.num_layers):
             residual = self.run(view.block(index), residual, index).output
-        return final_logits(view.head(), residual, spec)
+        chunks = row_chunks(view, "head", VOCAB_ROWS)
+        return torch.cat([final_logits(head, residual, spec) for head in chunks], dim=-1)
 
     def output(self, block: Block, residual: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """The residual stream after ``block`` (layer ``layer``), differentiable in the block's
@@ -208,6 +218,15 @@ def final_norm(norm: Norm, residual: torch.Tensor, spec: ModelSpec) -> torch.Ten
 
 #: Vocabulary rows of a half-precision head cast to the states' dtype at a time.
 HEAD_ROWS = 16384
+#: Bytes of float32 logits one piece of a loss makes at a time (the cross-entropy copies them
+#: once more, its gradient again): 64 tokens at a 262k vocabulary, 341 at 49k.
+LOGITS_BYTES = 64 * 2**20
+
+
+def loss_tokens(vocab_size: int) -> int:
+    """Tokens whose float32 logits over ``vocab_size`` fit :data:`LOGITS_BYTES` (one at
+    least): how many a chunked loss runs through the head at a time."""
+    return max(1, LOGITS_BYTES // (4 * vocab_size))
 
 
 def head_logits(
@@ -249,6 +268,21 @@ def soft_capped(logits: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     if not spec.final_softcap:
         return logits
     return spec.final_softcap * torch.tanh(logits / spec.final_softcap)
+
+
+def embedded(view: ModelView, input_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`embed` of ``input_ids`` by ``view``'s embeddings, read (moved, mixed) a slice of
+    vocabulary rows at a time (:func:`~lmc_mergekit.models.view.row_chunks`), only the rows
+    of the tokens in ``input_ids`` kept: no whole float32 or float64 vocabulary."""
+    rows, positions = torch.unique(input_ids.cpu(), return_inverse=True)
+    pieces, first, start = [], None, 0
+    for chunk in row_chunks(view, "embeddings", VOCAB_ROWS):
+        stop = start + len(chunk.tokens)
+        inside = rows[(rows >= start) & (rows < stop)]
+        pieces.append(chunk.tokens[(inside - start).to(chunk.tokens.device)])
+        first, start = first or chunk, stop
+    table = replace(first, tokens=torch.cat(pieces))
+    return embed(table, positions.to(input_ids.device), view.spec)
 
 
 def embed(embeddings: Embeddings, input_ids: torch.Tensor, spec: ModelSpec) -> torch.Tensor:

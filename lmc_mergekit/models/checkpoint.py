@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from mergekit.io import TensorWriter
-from mergekit.io.lazy_tensor_loader import LazyTensorLoader, ShardedTensorIndex
+from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
 from safetensors import SafetensorError, safe_open
 
 from lmc_mergekit.errors import LmcError
@@ -75,6 +75,13 @@ def row_slices(tensor: torch.Tensor, elements: int) -> list[slice]:
         return [slice(None)]
     step = max(1, elements // max(1, tensor[0].numel()))
     return [slice(start, min(start + step, len(tensor))) for start in range(0, len(tensor), step)]
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` is finite, checked :data:`SCAN_ELEMENTS` at a time
+    (``isfinite`` of a whole bf16 embedding makes several copies of its size)."""
+    slices = row_slices(tensor, SCAN_ELEMENTS)
+    return all(bool(torch.isfinite(tensor[rows]).all()) for rows in slices)
 
 
 def check_checkpoint(folder: Path) -> None:
@@ -169,7 +176,6 @@ class CheckpointReader:
                 "transformers' save_pretrained(..., safe_serialization=True)"
             )
         index = ShardedTensorIndex.from_disk(str(folder))
-        self._loader = LazyTensorLoader(index, lazy_unpickle=False)
         self._paths = {
             name: Path(index.base_path) / shard for name, shard in index.tensor_paths.items()
         }
@@ -191,16 +197,26 @@ class CheckpointReader:
         return frozenset(self._aliases)
 
     def get(self, name: str, optional: bool = False) -> torch.Tensor | None:
-        """The tensor ``name``; None for a missing optional one."""
+        """The tensor ``name``; None for a missing optional one. A large tensor is read a
+        slice of :data:`SCAN_ELEMENTS` at a time, each through its own mapping of the shard,
+        so that the pages mapped at once (which count as this process's memory) are a slice's,
+        not a whole embedding's."""
         if name not in self._names:
             if optional:
                 return None
             raise LmcError(f"{self.folder} lacks tensor {name!r}; is the checkpoint complete?")
         name = self._aliases.get(name, name)
-        tensor = self._loader.get_tensor(name)
-        # Closing the shard unmaps it: pages of a kept mapping count as this process's memory,
-        # and would add up to the whole checkpoint over a pass.
-        self._loader.flush()
+        with safe_open(str(self._path(name)), "pt") as fp:
+            shape = fp.get_slice(name).get_shape()
+            whole = len(shape) < 2 or math.prod(shape) <= SCAN_ELEMENTS
+            tensor = fp.get_tensor(name) if whole else None
+        if tensor is None:
+            step = max(1, SCAN_ELEMENTS // math.prod(shape[1:]))
+            first = self._slice(name, 0, step)
+            tensor = first.new_empty(shape)
+            tensor[:step] = first
+            for start in range(step, shape[0], step):
+                tensor[start : start + step] = self._slice(name, start, start + step)
         if name not in self._checked:
             self._check_finite(name, tensor)
             self._checked.add(name)
@@ -214,10 +230,13 @@ class CheckpointReader:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (first dimension) of the tensor ``name``, read alone: a slice of
         a whole embedding costs the slice, not the embedding."""
-        with safe_open(str(self._path(name)), "pt") as fp:
-            tensor = fp.get_slice(self._aliases.get(name, name))[start:stop]
+        tensor = self._slice(name, start, stop)
         self._check_finite(name, tensor)
         return tensor
+
+    def _slice(self, name: str, start: int, stop: int) -> torch.Tensor:
+        with safe_open(str(self._path(name)), "pt") as fp:
+            return fp.get_slice(self._aliases.get(name, name))[start:stop]
 
     def _path(self, name: str) -> Path:
         if name not in self._names:
@@ -225,7 +244,7 @@ class CheckpointReader:
         return self._paths[self._aliases.get(name, name)]
 
     def _check_finite(self, name: str, tensor: torch.Tensor) -> None:
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if tensor.is_floating_point() and not all_finite(tensor):
             bad = int((~torch.isfinite(tensor)).sum())
             raise LmcError(
                 f"{self.folder}: tensor {name!r} holds {bad} NaN/Inf values; "

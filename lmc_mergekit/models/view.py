@@ -233,6 +233,51 @@ class ModelView(Protocol):
     def head(self) -> Head: ...
 
 
+#: The matrix of each outside part whose rows are the vocabulary's.
+ROW_FIELDS = {"embeddings": "tokens", "head": "weight"}
+#: Vocabulary rows a writer or a check reads, moves or mixes at a time.
+VOCAB_ROWS = 16384
+
+
+def row_chunks(view: ModelView, read: str, rows: int) -> Iterator[Embeddings | Head]:
+    """``view``'s part ``read`` (``embeddings`` or ``head``) with ``rows`` rows of its
+    vocabulary matrix at a time (and of a head's bias), the rest of the part whole: through the
+    view's own ``row_chunks`` where it has one (a checkpoint reads each slice alone, a moved or
+    mixed view moves or mixes a slice at a time), else the part read whole and sliced."""
+    own = getattr(view, "row_chunks", None)
+    if own is not None:
+        yield from own(read, rows)
+        return
+    yield from sliced_rows(getattr(view, read)(), read, rows)
+
+
+def whole_rows(view: ModelView, read: str, rows: int = VOCAB_ROWS) -> Embeddings | Head:
+    """``view``'s part ``read`` assembled from its :func:`row_chunks` into one matrix of the
+    vocabulary's rows: a writer holds the result, not also a whole source and its float64
+    copy. A part of another row count, or a head with a bias, is read whole."""
+    field, out, first, start = ROW_FIELDS[read], None, None, 0
+    for chunk in row_chunks(view, read, rows):
+        piece = getattr(chunk, field)
+        if first is None:
+            first = chunk
+            out = piece.new_empty((view.spec.vocab_size, *piece.shape[1:]))
+        if start + len(piece) > len(out) or getattr(chunk, "bias", None) is not None:
+            return getattr(view, read)()
+        out[start : start + len(piece)] = piece
+        start += len(piece)
+    if first is None or start != len(out):
+        return getattr(view, read)()
+    return replace(first, **{field: out})
+
+
+def sliced_rows(part: Embeddings | Head, read: str, rows: int) -> Iterator[Embeddings | Head]:
+    """``part`` (read as ``read``) a slice of ``rows`` vocabulary rows at a time."""
+    field = ROW_FIELDS[read]
+    sliced = [field] + (["bias"] if getattr(part, "bias", None) is not None else [])
+    for start in range(0, len(getattr(part, field)), rows):
+        yield replace(part, **{f: getattr(part, f)[start : start + rows] for f in sliced})
+
+
 @dataclass
 class InMemoryView:
     """A fully materialised model view."""

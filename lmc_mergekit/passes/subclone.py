@@ -246,12 +246,15 @@ def prepare(ctx: PassContext) -> SubclonePreparation | None:
             max_shard_size=min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
             progress=ctx.progress,
         )
-        error = _check_written(view, conversion.view, out, calibration.sequences, ctx)
+        expected, ids = _conversion_logits(view, conversion.view, calibration.sequences, ctx)
+        record = conversion.record
+        del conversion  # the small model, before transformers loads its written copy
+        error = _check_written(expected, ids, out, ctx)
         donors.append(
             DonorRecord(
                 donor=str(view.folder),
                 donor_shape=view.spec.shape_summary(),
-                conversion=conversion.record,
+                conversion=record,
                 self_check_error=error,
                 seconds=round(time.perf_counter() - started, 3),
             )
@@ -316,9 +319,9 @@ def _check_enough_tokens(target, data: SplitRecord, settings: SubcloneSettings) 
         )
 
 
-def _check_written(view, converted, out: Path, calibration, ctx) -> float:
-    """Reload the written checkpoint through ``transformers``: it must compute the logits the
-    conversion computed block by block (catches any config or layout mismatch)."""
+def _conversion_logits(view, converted, calibration, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits the conversion ``converted`` of ``view`` computes block by block on a probe
+    batch of ``calibration``, and the probe batch."""
     batch, length = PROBE
     ids = calibration[:batch, :length]
     runner = BlockRunner(
@@ -328,7 +331,12 @@ def _check_written(view, converted, out: Path, calibration, ctx) -> float:
         torch.device("cpu"),
         ctx.options.trust_remote_code,
     )
-    expected = runner.logits(converted, ids)
+    return runner.logits(converted, ids), ids
+
+
+def _check_written(expected: torch.Tensor, ids: torch.Tensor, out: Path, ctx) -> float:
+    """Reload the written checkpoint through ``transformers``: on ``ids`` it must compute the
+    conversion's logits ``expected`` (catches any config or layout mismatch)."""
     with torch.no_grad():
         actual = load_fp32(out, ctx.options.trust_remote_code)(ids).logits
     error = relative_logits_error(actual, expected)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergekit.config import MergeConfiguration
+from mergekit.io.tasks import LoaderCache
 from mergekit.options import MergeOptions
 
 from lmc_mergekit.errors import LmcError
@@ -217,7 +218,12 @@ def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> No
         run_merge = mergekit_run_merge()
         plain = without_sections(expand_home(config)).model_copy(deep=True)
         with repaired_architectures(), without_torch_dtype_notice():
-            run_merge(plain, str(folder), no_card)
+            try:
+                run_merge(plain, str(folder), no_card)
+            finally:
+                # mergekit keeps each input's last shard open, mapped: the pages its merge
+                # read would count as this process's memory for the rest of the run.
+                LoaderCache().flush_all()
     except LmcError:
         raise
     except (RuntimeError, ValueError, OSError) as error:

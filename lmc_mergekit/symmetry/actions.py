@@ -8,6 +8,7 @@ for the order of operations and the reference notes (§2) for the algebra.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -25,6 +26,7 @@ from lmc_mergekit.models.view import (
     iter_tensors,
     map_named_tensors,
     map_tensors,
+    row_chunks,
 )
 from lmc_mergekit.symmetry.transform import LayerTransform, Transform, kv_permutation
 
@@ -75,6 +77,13 @@ class TransformedView:
         return _by_rows(
             self.source.head(), "weight", lambda h: transform_head(h, self.transform), self.dtype
         )
+
+    def row_chunks(self, read: str, rows: int) -> Iterator[Embeddings | Head]:
+        """See :func:`~lmc_mergekit.models.view.row_chunks`: each slice of the source's moved
+        alone (rows move on their own)."""
+        move = transform_embeddings if read == "embeddings" else transform_head
+        for part in row_chunks(self.source, read, rows):
+            yield _in_float64(part, lambda p: move(p, self.transform), self.dtype)
 
 
 # Rows of an embedding or head moved at once (a slice of 8192 × 4096 float64 is 256 MiB).

@@ -17,8 +17,26 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from lmc_mergekit.errors import LmcError
-from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
-from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, ModelView, Norm
+from lmc_mergekit.models.checkpoint import (
+    CheckpointReader,
+    MetaReader,
+    RowsReader,
+    ShardWriter,
+    copy_tagalong_files,
+)
+from lmc_mergekit.models.view import (
+    ROW_FIELDS,
+    VOCAB_ROWS,
+    Block,
+    Embeddings,
+    Head,
+    ModelSpec,
+    ModelView,
+    Norm,
+    row_chunks,
+    sliced_rows,
+    whole_rows,
+)
 
 # Prepared checkpoints are written in shards of 256 MiB: the writer holds one shard and, while
 # it writes it, a serialised copy, so this is the memory writing needs beyond one block.
@@ -195,7 +213,7 @@ class Adapter(ABC):
         spec = view.spec
         folder.mkdir(parents=True, exist_ok=True)
         writer = ShardWriter(folder, max_shard_size)
-        tokens = view.embeddings()
+        tokens = whole_rows(view, "embeddings")
         writer.write(self.embeddings_tensors(tokens, spec))
         # Only the token rows are kept for the tie test below: computing them again would cost
         # a second pass over the vocabulary.
@@ -204,11 +222,11 @@ class Adapter(ABC):
             range(spec.num_layers), desc=f"writing {folder.name}", disable=not progress
         ):
             writer.write(self.block_tensors(view.block(index), spec, index))
-        head = view.head()
-        if spec.tied_embeddings and not torch.equal(head.weight, tokens):
+        head = _tied_head(view, tokens) if spec.tied_embeddings else None
+        if spec.tied_embeddings and head is None:
             spec = replace(spec, tied_embeddings=False)
         del tokens
-        writer.write(self.head_tensors(head, spec))
+        writer.write(self.head_tensors(head or view.head(), spec))
         for name, tensor in self.passthrough(CheckpointReader(source)):
             writer.write({name: tensor})
         writer.close()
@@ -219,6 +237,18 @@ class Adapter(ABC):
             fp.write("\n")
         copy_tagalong_files(source, folder)
         return spec
+
+
+def _tied_head(view: ModelView, tokens: torch.Tensor) -> Head | None:
+    """``view``'s head with ``tokens`` for its weight where its weight equals them (compared
+    a slice of rows at a time: a tie costs no second vocab × d tensor), else None."""
+    head, start = None, 0
+    for chunk in row_chunks(view, "head", VOCAB_ROWS):
+        stop = start + len(chunk.weight)
+        if chunk.bias is not None or not torch.equal(chunk.weight, tokens[start:stop]):
+            return None
+        head, start = head or chunk, stop
+    return None if head is None or stop != len(tokens) else replace(head, weight=tokens)
 
 
 def first_present(reader: CheckpointReader, names: Iterable[str]) -> str:
@@ -252,6 +282,21 @@ class CheckpointView:
 
     def head(self) -> Head:
         return self.adapter.read_head(self._reader, self.spec)
+
+    def row_chunks(self, read: str, rows: int) -> Iterator[Embeddings | Head]:
+        """See :func:`~lmc_mergekit.models.view.row_chunks`: where the checkpoint stores the
+        matrix as it is (and the part has no bias), each slice is read alone; otherwise the
+        part is read whole once and sliced."""
+        traced = MetaReader(self._reader)
+        part = getattr(self.adapter, f"read_{read}")(traced, self.spec)
+        name = traced.name_of(getattr(part, ROW_FIELDS[read]))
+        if name is None or getattr(part, "bias", None) is not None:
+            yield from sliced_rows(getattr(self, read)(), read, rows)
+            return
+        count = self._reader.shape(name)[0]
+        for start in range(0, count, rows):
+            piece = RowsReader(self._reader, name, start, min(start + rows, count))
+            yield getattr(self.adapter, f"read_{read}")(piece, self.spec)
 
     def passthrough(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(written name, tensor) of every tensor outside the canonical view, one at a time:
