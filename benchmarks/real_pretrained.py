@@ -209,17 +209,25 @@ def row_lmc_dm_262k(source: Path, args) -> dict:
 
 
 def large_vocabulary(source: Path, args) -> Path:
-    """SmolLM2 with :data:`LARGE_VOCAB` embedding rows: its own, then rows drawn from a normal
-    of its embedding's spread (built once; the tokenizer is SmolLM2's, so text never reads
-    them, as padding rows)."""
+    """SmolLM2 with :data:`LARGE_VOCAB` embedding rows (built once, in a child process: a
+    process's peak RSS is inherited by the processes it starts)."""
+    folder = args.work / f"smollm2-v{LARGE_VOCAB // 1024}k"
+    if not (folder / "config.json").is_file():
+        command = [sys.executable, __file__, "large-worker", str(source), str(folder)]
+        subprocess.run(command, check=True)
+    return folder
+
+
+def large_worker(source: Path, folder: Path) -> None:
+    """Write SmolLM2 with :data:`LARGE_VOCAB` embedding rows into ``folder``: its own, then
+    rows drawn from a normal of its embedding's spread (the tokenizer is SmolLM2's, so text
+    never reads them, as padding rows; the tied head gives them logits, which raises the
+    model's loss: the row measures cost, not quality)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from lmc_mergekit.runtime.publish import staged_folder
 
-    folder = args.work / f"smollm2-v{LARGE_VOCAB // 1024}k"
-    if (folder / "config.json").is_file():
-        return folder
     tensors = {}
     for shard in source.glob("*.safetensors"):
         tensors |= load_file(str(shard))
@@ -235,7 +243,6 @@ def large_vocabulary(source: Path, args) -> Path:
                 shutil.copy(file, staging / file.name)
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps({**config, "vocab_size": LARGE_VOCAB}))
-    return folder
 
 
 def row_learn(source: Path, args) -> dict:
@@ -407,6 +414,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command")
     worker = sub.add_parser("build-worker")
     worker.add_argument("folder", type=Path)
+    large = sub.add_parser("large-worker")
+    large.add_argument("source", type=Path)
+    large.add_argument("out", type=Path)
     tune = sub.add_parser("finetune-worker")
     tune.add_argument("source", type=Path)
     tune.add_argument("out", type=Path)
@@ -422,6 +432,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "build-worker":
         return build_worker(args.folder)
+    if args.command == "large-worker":
+        return large_worker(args.source, args.out)
     if args.command == "finetune-worker":
         return finetune_worker(args)
     source = smollm2_folder()
