@@ -254,7 +254,10 @@ def row_chunks(view: ModelView, read: str, rows: int) -> Iterator[Embeddings | H
 def whole_rows(view: ModelView, read: str, rows: int = VOCAB_ROWS) -> Embeddings | Head:
     """``view``'s part ``read`` assembled from its :func:`row_chunks` into one matrix of the
     vocabulary's rows: a writer holds the result, not also a whole source and its float64
-    copy. A part of another row count, or a head with a bias, is read whole."""
+    copy. A view without its own ``row_chunks`` (in memory), a part of another row count, or a
+    head with a bias, is read whole."""
+    if getattr(view, "row_chunks", None) is None:
+        return getattr(view, read)()
     field, out, first, start = ROW_FIELDS[read], None, None, 0
     for chunk in row_chunks(view, read, rows):
         piece = getattr(chunk, field)
