@@ -121,6 +121,7 @@ def test_path_losses_equal_explicitly_averaged_models(variant, tmp_path, monkeyp
     assert got == pytest.approx(expected, rel=1e-6, abs=0)
     # The head's vocabulary read in slices of 9 rows (a running log-sum-exp): the same losses.
     monkeypatch.setattr(block_runner, "LOGITS_BYTES", 4 * 9 * sequences[:, 1:].numel())
+    monkeypatch.setattr(blockwise, "HEAD_TOKENS", 13)  # and the tokens in several passes
     sliced = interpolation_losses(a, b, sequences, points=5).losses
     assert sliced == pytest.approx(expected, rel=1e-6, abs=0)
 

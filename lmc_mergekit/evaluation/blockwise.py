@@ -46,9 +46,10 @@ from lmc_mergekit.models.view import (
 GROUP_BYTES = 256 * 2**20
 #: Sequences a block runs on at a time.
 BATCH = 16
-#: Tokens run through the head at a time (their float32 logits over a 262k vocabulary would be
-#: 2 GiB: the vocabulary is then read in slices, see :func:`token_losses`).
-HEAD_TOKENS = 2048
+#: Tokens run through the head at a time (their float32 logits over any real vocabulary pass
+#: ``LOGITS_BYTES``: the vocabulary is then read in slices, see :func:`token_losses`). Each
+#: such pass reads (moves, mixes) the whole head once, so a group of sequences makes few.
+HEAD_TOKENS = 16384
 #: Rows of two tensors mixed at a time: the float32 copies of a vocabulary-sized matrix are
 #: made a slice at a time, next to the one float32 result.
 MIX_ROWS = 8192
