@@ -26,6 +26,20 @@ serialised copy):
 
 Memory is given as a multiple of one model's fp32 size; the learned step as a multiple of the
 plain step measured in the same run (the machine is noisy, ratios less so).
+
+    python benchmarks/scale.py pair [--shape 7b] [--memory-limit GIB] [--rounds N] [--work DIR]
+        [--markdown docs/results.md]
+
+A pair that need not fit in memory: two random bf16 checkpoints of a Llama shape (``7b``:
+Llama-2-7B's configuration, 13.5 GB each; ``1b``: 1.1B, 2.2 GB each; ``250m``), written a
+tensor at a time (never a whole model in memory), merged by mergekit's own ``linear`` and by
+``lmc_dm`` (``matching: weights``, ``steps: 0``, ``evaluate: false``) side by side, each a
+whole command in a fresh process: its seconds, whether it succeeded, and its peak memory read
+apart into anonymous memory and mapped file pages (page cache, which the kernel can drop:
+mmapped reads count in RSS), sampled every 0.2 s over the process tree, with ``wait4``'s peak
+RSS. With ``--memory-limit`` both run inside a memory cgroup of that size (cgroup v1 or v2,
+where this process may make one), so that the pair is larger than the memory the merge may
+use.
 """
 
 from __future__ import annotations
@@ -65,6 +79,31 @@ SHAPES: dict[str, tuple[str, dict]] = {
     ),
 }
 PASSES = ("lmc_dm", "activations", "subclone", "ls_merge", "learn")
+#: Llama shapes of ``pair`` (bf16, vocabulary 32,000, untied): Llama-2-7B's, TinyLlama's, and
+#: a 250M one that runs in minutes on two cores.
+PAIR_SHAPES = {
+    "7b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "intermediate_size": 5632,
+    },
+    "250m": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2816,
+    },
+}
 VOCAB = 4096
 SEQ_LEN = 128
 
@@ -264,6 +303,206 @@ def step_worker(args) -> None:
     print(json.dumps(time_step(args.what, folders, batch, 3, 1, args.device)))
 
 
+def build_streamed(shape: str, work: Path) -> tuple[Path, Path]:
+    """The bf16 pair of :data:`PAIR_SHAPES` ``shape`` (seeds 0 and 1), built once, in a child
+    process, a tensor at a time."""
+    folders = [work / f"pair-{shape}-seed{seed}" for seed in (0, 1)]
+    if not all((folder / "config.json").is_file() for folder in folders):
+        command = [sys.executable, __file__, "stream-build-worker", shape, str(work)]
+        subprocess.run(command, check=True)
+    return folders[0], folders[1]
+
+
+def stream_build_worker(shape: str, work: Path) -> None:
+    """Write each checkpoint of the pair tensor by tensor: the names and shapes from a model
+    on the meta device, each tensor drawn as ``transformers`` initialises it (normal with the
+    config's ``initializer_range``, norms one) in bf16, through mergekit's shard writer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lmc_mergekit.models.checkpoint import ShardWriter
+    from lmc_mergekit.runtime.publish import staged_folder
+    from lmc_mergekit.zoo.tokenizer import cached_tokenizer
+
+    tokenizer = cached_tokenizer(work)
+    config = LlamaConfig(
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+        **PAIR_SHAPES[shape],
+    )
+    with torch.device("meta"):
+        shapes = {
+            n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()
+        }
+    for seed in (0, 1):
+        folder = work / f"pair-{shape}-seed{seed}"
+        if (folder / "config.json").is_file():
+            continue
+        generator = torch.Generator().manual_seed(seed)
+        with staged_folder(folder, "replace") as staging:
+            writer = ShardWriter(staging, 2 * 10**9)
+            for name, size in shapes.items():
+                if name.endswith("norm.weight"):
+                    tensor = torch.ones(size, dtype=torch.bfloat16)
+                else:
+                    values = torch.empty(size).normal_(
+                        0, config.initializer_range, generator=generator
+                    )
+                    tensor = values.to(torch.bfloat16)
+                writer.write({name: tensor})
+                del tensor
+            writer.close()
+            config.save_pretrained(staging)
+            for name in os.listdir(tokenizer):
+                (staging / name).write_bytes((tokenizer / name).read_bytes())
+
+
+def pair_recipe(kind: str, a: Path, b: Path, args) -> dict:
+    """mergekit's ``linear`` or ``lmc_dm`` (weights, no learning, no evaluation) of the pair."""
+    both = [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)]
+    if kind == "linear":
+        return {"merge_method": "linear", "models": both, "dtype": "bfloat16"}
+    alignment = {"matching": "weights", "steps": 0, "evaluate": False, "one_basin_check": False}
+    if args.rounds:
+        alignment["max_iterations"] = args.rounds
+    return {"merge_method": "lmc_dm", "models": both, "dtype": "bfloat16", "alignment": alignment}
+
+
+class MemoryCgroup:
+    """A memory cgroup of ``limit`` bytes the measured command runs in (v2, else v1), or a
+    one-line reason it cannot be made here."""
+
+    def __init__(self, limit: int):
+        name = f"lmc-scale-{os.getpid()}"
+        v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
+        if (v2 / "cgroup.controllers").is_file():
+            self.path, files = v2 / name, ("memory.max", "memory.swap.max")
+        else:
+            self.path, files = v1 / name, ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+        try:
+            self.path.mkdir()
+            (self.path / files[0]).write_text(str(limit))
+        except OSError as error:
+            raise SystemExit(
+                f"cannot make a memory cgroup at {self.path} ({error}); run as root or "
+                "without --memory-limit"
+            ) from None
+        try:  # no swap either, where the kernel counts it
+            (self.path / files[1]).write_text(str(limit))
+        except OSError:
+            pass
+
+    def enter(self) -> None:
+        """Move the calling process (a child, before it runs the command) into the cgroup."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int | None:
+        for name in ("memory.peak", "memory.max_usage_in_bytes"):
+            if (self.path / name).is_file():
+                return int((self.path / name).read_text())
+        return None
+
+    def remove(self) -> None:
+        self.path.rmdir()
+
+
+def sampled_run(command: list[str], cgroup: MemoryCgroup | None) -> dict:
+    """Run ``command``; its seconds, exit code, ``wait4`` peak RSS and, sampled every 0.2 s
+    over its process tree, the peaks of anonymous memory and of mapped file pages."""
+    import threading
+
+    started = time.perf_counter()
+    preexec = cgroup.enter if cgroup is not None else None
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=preexec
+    )
+    peaks = {"anon": 0, "file": 0}
+
+    def sample() -> None:
+        while process.poll() is None:
+            anon = file = 0
+            for pid in [process.pid, *_descendants(process.pid)]:
+                try:
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        key, _, value = line.partition(":")
+                        if key == "RssAnon":
+                            anon += int(value.split()[0]) * 1024
+                        elif key in ("RssFile", "RssShmem"):
+                            file += int(value.split()[0]) * 1024
+                except OSError:
+                    continue
+            peaks["anon"], peaks["file"] = max(peaks["anon"], anon), max(peaks["file"], file)
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    errors = process.stderr.read().decode(errors="replace")
+    _, status, usage = os.wait4(process.pid, 0)
+    sampler.join()
+    return {
+        "seconds": time.perf_counter() - started,
+        "code": os.waitstatus_to_exitcode(status),
+        "rss": usage.ru_maxrss * 1024,
+        "tail": errors.strip().splitlines()[-1:] or [""],
+        **peaks,
+    }
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [d for c in map(int, children) for d in (c, *_descendants(c))]
+
+
+def measure_pair(args) -> None:
+    """``linear`` and ``lmc_dm`` of the pair of ``--shape``, side by side (see the doc)."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    a, b = build_streamed(args.shape, args.work)
+    size = sum(f.stat().st_size for f in a.glob("*.safetensors"))
+    limit = None if args.memory_limit is None else int(args.memory_limit * 2**30)
+    where = "no memory limit" if limit is None else f"a memory cgroup of {gib(limit)}"
+    lines = [
+        f"Pair of random bf16 checkpoints in the {args.shape} Llama shape ({gib(size)} each on "
+        f"disk, the pair {gib(2 * size)}), {where}; machine memory "
+        f"{gib(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))}.",
+        "",
+        "| method | result | seconds | peak anonymous | peak mapped file pages | peak RSS "
+        "(wait4) | cgroup peak |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for kind in ("linear", "lmc_dm"):
+        run = Path(tempfile.mkdtemp(prefix=f"pair-{kind}-", dir=args.work))
+        (run / "recipe.yml").write_text(yaml.safe_dump(pair_recipe(kind, a, b, args)))
+        tool = "mergekit-yaml" if kind == "linear" else "lmc-mergekit-yaml"
+        command = [
+            str(Path(sys.executable).parent / tool),
+            str(run / "recipe.yml"),
+            str(run / "out"),
+        ]
+        command += ["--lazy-unpickle"] + (
+            ["--lmc-cache", str(run / "cache")] if kind != "linear" else []
+        )
+        cgroup = None if limit is None else MemoryCgroup(limit)
+        try:
+            row = sampled_run(command, cgroup)
+            peak = None if cgroup is None else cgroup.peak()
+        finally:
+            shutil.rmtree(run, ignore_errors=True)  # the outputs: the disk holds one at a time
+            if cgroup is not None:
+                cgroup.remove()
+        result = "merged" if row["code"] == 0 else f"failed ({row['code']}: {row['tail'][0][:80]})"
+        lines.append(
+            f"| {kind} | {result} | {row['seconds']:.0f} | {gib(row['anon'])} | "
+            f"{gib(row['file'])} | {gib(row['rss'])} | {'' if peak is None else gib(peak)} |"
+        )
+        print(lines[-1], flush=True)
+    publish(args, "pair", "\n".join(lines))
+
+
 def gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GB"
 
@@ -282,6 +521,15 @@ def main() -> None:
         "--rounds", type=int, help="most weight-matching rounds (lmc_dm; default: the tool's)"
     )
     add_markdown_option(table)
+    pair = sub.add_parser("pair")
+    pair.add_argument("--shape", default="7b", choices=list(PAIR_SHAPES))
+    pair.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lmc-scale")
+    pair.add_argument("--memory-limit", type=float, metavar="GIB", help="run in a cgroup")
+    pair.add_argument("--rounds", type=int, help="most weight-matching rounds of lmc_dm")
+    add_markdown_option(pair)
+    streamer = sub.add_parser("stream-build-worker")
+    streamer.add_argument("shape", choices=list(PAIR_SHAPES))
+    streamer.add_argument("work", type=Path)
     builder = sub.add_parser("build-worker")
     builder.add_argument("shape", choices=list(SHAPES))
     builder.add_argument("work", type=Path)
@@ -312,6 +560,12 @@ def main() -> None:
         return
     if args.command == "build-worker":
         build_worker(args.shape, args.work)
+        return
+    if args.command == "stream-build-worker":
+        stream_build_worker(args.shape, args.work)
+        return
+    if args.command == "pair":
+        measure_pair(args)
         return
     args.work.mkdir(parents=True, exist_ok=True)
     lines = [

@@ -219,10 +219,11 @@ def _streamed_cross_entropy(
             normed = final_norm(head.norm, states, spec)
         logits = soft_capped(head_logits(normed, head.weight, head.bias), spec).float()
         stop = start + logits.shape[1]
-        new_top = torch.maximum(top, logits.max(dim=1).values)
-        total = total * torch.exp(top - new_top) + torch.exp(logits - new_top[:, None]).sum(1)
-        top = new_top
         inside = (targets >= start) & (targets < stop)
         picked[inside] = logits[inside, targets[inside] - start]
+        new_top = torch.maximum(top, logits.amax(dim=1))
+        # In place: the chunk's one tokens × rows tensor is the pass's peak, not three of them.
+        total = total * torch.exp(top - new_top) + logits.sub_(new_top[:, None]).exp_().sum(1)
+        top = new_top
         start = stop
     return total.log() + top - picked

@@ -74,17 +74,21 @@ class Windows:
         return Windows(self.chunks.to(device), self.positions.to(device), self.valid.to(device))
 
     @classmethod
-    def of(cls, chunks: torch.Tensor, window: int) -> Windows:
-        """Cut ``(n, size)`` chunks into windows of ``window`` (the last one padded)."""
+    def of(cls, chunks: torch.Tensor, window: int, first: int = 0) -> Windows:
+        """Cut ``(n, size)`` chunks into windows of ``window`` (the last one padded); ``first``
+        is the position of ``chunks[0]`` in its tensor (a multiple of ``window``) where they
+        are a run of a longer tensor's chunks."""
         count, size = chunks.shape
         slots = math.ceil(count / window) * window
-        padded = torch.zeros(slots, size, dtype=chunks.dtype, device=chunks.device)
-        padded[:count] = chunks
-        positions = torch.arange(slots, device=chunks.device)
+        padded = chunks
+        if slots != count:
+            padded = torch.zeros(slots, size, dtype=chunks.dtype, device=chunks.device)
+            padded[:count] = chunks
+        positions = torch.arange(first, first + slots, device=chunks.device)
         return cls(
             chunks=padded.reshape(-1, window, size),
             positions=positions.reshape(-1, window),
-            valid=(positions < count).reshape(-1, window),
+            valid=(positions < first + count).reshape(-1, window),
         )
 
     def flatten(self, values: torch.Tensor) -> torch.Tensor:
@@ -144,10 +148,14 @@ class WeightAutoencoder(nn.Module):
 
     def tags(self, kind: str, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Kind and layer index tensors ``(count,)`` for ``count`` windows of one tensor."""
+        return self.tags_of([self.kind_index(kind)] * count, [layer] * count)
+
+    def tags_of(self, kinds: list[int], layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kind and layer index tensors of windows whose kind indices are ``kinds`` and layers
+        ``layers``, on the autoencoder's device."""
         device = self.chunk_in.weight.device
-        kinds = torch.full((count,), self.kind_index(kind), dtype=torch.long, device=device)
-        layers = torch.full((count,), layer, dtype=torch.long, device=device)
-        return kinds, layers
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return as_tensor(kinds), as_tensor(layers)
 
 
 def _transformer(config: AutoencoderConfig) -> nn.TransformerEncoder:

@@ -45,14 +45,29 @@ class Normalisation:
 SLICE = 2**22
 
 
+def moments(tensor: torch.Tensor) -> tuple[float, float]:
+    """The mean and (sample) standard deviation of ``tensor``'s values in float64, a slice at a
+    time (each slice's own, combined as Chan et al. do: no float64 copy of a whole embedding);
+    a constant tensor's standard deviation is 1, so that a fresh norm gain stays
+    representable."""
+    flat = tensor.detach().reshape(-1)
+    count, mean, squares = 0, 0.0, 0.0
+    for start in range(0, flat.numel(), SLICE):
+        piece = flat[start : start + SLICE].double()
+        variance, piece_mean = torch.var_mean(piece, correction=0)
+        n, m = piece.numel(), float(piece_mean)
+        total = count + n
+        squares += float(variance) * n + (m - mean) ** 2 * count * n / total
+        mean += (m - mean) * n / total
+        count = total
+    std = math.sqrt(squares / (count - 1)) if count > 1 else 0.0
+    return mean, std if std > 0 else 1.0
+
+
 def to_chunks(tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, Normalisation]:
     """``tensor`` normalised and cut into float32 ``(ceil(numel / size), size)`` chunks."""
     source = tensor.detach().reshape(-1)
-    flat = source.double()
-    mean = float(flat.mean())
-    std = float(flat.std()) if flat.numel() > 1 else 0.0
-    std = std if std > 0 else 1.0  # constant tensors (fresh norm gains) stay representable
-    del flat
+    mean, std = moments(source)
     count = max(1, math.ceil(source.numel() / size))
     padded = torch.zeros(count * size)
     for start in range(0, source.numel(), SLICE):
@@ -62,10 +77,11 @@ def to_chunks(tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, Normalisat
 
 
 def from_chunks(
-    chunks: torch.Tensor, norm: Normalisation, dtype: torch.dtype = torch.float64
+    chunks: torch.Tensor, norm: Normalisation, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """The tensor that :func:`to_chunks` cut into ``chunks`` (padding dropped, scale restored),
-    computed in float64 a slice at a time and rounded once to ``dtype``."""
+    computed in float64 a slice at a time and rounded once to ``dtype`` (float32 by default:
+    the autoencoder's own precision, and half the memory of a float64 embedding)."""
     values = chunks.reshape(-1)
     flat = torch.empty(norm.numel, dtype=dtype)
     for start in range(0, norm.numel, SLICE):

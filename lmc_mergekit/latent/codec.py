@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from lmc_mergekit.latent.autoencoder import WeightAutoencoder, Windows
 from lmc_mergekit.latent.chunks import SLICE, NamedTensor, Normalisation, from_chunks, to_chunks
 
 #: Windows the autoencoder runs at once when encoding or decoding one tensor.
-WINDOW_BATCH = 2048
+WINDOW_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -27,25 +28,21 @@ class EncodedTensor:
 
 @torch.no_grad()
 def encode_tensor(model: WeightAutoencoder, named: NamedTensor) -> EncodedTensor:
-    """The posterior of every chunk of ``named``."""
+    """The posterior of every chunk of ``named`` (on the CPU)."""
     chunks, norm = to_chunks(named.tensor, model.config.chunk_size)
-    device = model.chunk_in.weight.device
-    windows = Windows.of(chunks.to(device), model.config.window)
-    kinds, layers = model.tags(named.kind, named.layer, windows.chunks.shape[0])
-    posteriors = [
-        model.encode(kinds[part], layers[part], windows[part]) for part in _batches(windows)
-    ]
-    mean = torch.cat([mean for mean, _ in posteriors])
-    log_var = torch.cat([log_var for _, log_var in posteriors])
-    return EncodedTensor(
-        named.kind, named.layer, windows.flatten(mean), windows.flatten(log_var), norm
-    )
+    latent = model.config.latent_dim
+    mean, log_var = torch.empty(len(chunks), latent), torch.empty(len(chunks), latent)
+    for rows, windows in _window_batches(model, chunks):
+        kinds, layers = model.tags(named.kind, named.layer, windows.chunks.shape[0])
+        posterior = model.encode(kinds, layers, windows)
+        mean[rows], log_var[rows] = (windows.flatten(t).cpu() for t in posterior)
+    return EncodedTensor(named.kind, named.layer, mean, log_var, norm)
 
 
 def decode_tensor(
     model: WeightAutoencoder, encoded: EncodedTensor, latents: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The tensor decoded from ``latents`` (default: the posterior mean), float64 on the CPU."""
+    """The tensor decoded from ``latents`` (default: the posterior mean), float32 on the CPU."""
     latents = encoded.mean if latents is None else latents
     return decode_latents(model, encoded.kind, encoded.layer, latents, encoded.norm)
 
@@ -55,27 +52,25 @@ def decode_latents(
     model: WeightAutoencoder, kind: str, layer: int, latents: torch.Tensor, norm: Normalisation
 ) -> torch.Tensor:
     """The tensor of ``kind`` and ``layer`` decoded from per-chunk ``latents`` ``(n, latent)``
-    and rescaled by ``norm``, float64 on the CPU."""
-    device = model.chunk_in.weight.device
-    windows = Windows.of(latents.float().to(device), model.config.window)
-    kinds, layers = model.tags(kind, layer, windows.chunks.shape[0])
-    chunks = windows.flatten(
-        torch.cat(
-            [
-                model.decode(kinds[part], layers[part], windows.chunks[part], windows[part])
-                for part in _batches(windows)
-            ]
-        )
-    )
-    del windows  # the padded latents: a large tensor's are not needed past this point
-    return from_chunks(chunks.cpu(), norm)
+    and rescaled by ``norm`` (in float64, rounded once), float32 on the CPU."""
+    chunks = torch.empty(len(latents), model.config.chunk_size)
+    for rows, windows in _window_batches(model, latents.float()):
+        kinds, layers = model.tags(kind, layer, windows.chunks.shape[0])
+        decoded = model.decode(kinds, layers, windows.chunks, windows)
+        chunks[rows] = windows.flatten(decoded).cpu()
+    return from_chunks(chunks, norm)
 
 
-def _batches(windows: Windows) -> list[slice]:
-    """Windows are independent: a large tensor runs in batches of :data:`WINDOW_BATCH`, so that
-    the autoencoder's activations stay a fixed size however large the tensor."""
-    count = windows.chunks.shape[0]
-    return [slice(start, start + WINDOW_BATCH) for start in range(0, count, WINDOW_BATCH)]
+def _window_batches(model: WeightAutoencoder, rows: torch.Tensor) -> Iterator[tuple]:
+    """``(rows, windows)``: ``rows`` ``(n, k)`` (chunks or latents) cut into windows
+    :data:`WINDOW_BATCH` at a time, on the autoencoder's device. Windows are independent: a
+    large tensor runs in batches, so that the autoencoder's activations and the padded windows
+    stay a fixed size however large the tensor (the same as :meth:`Windows.of` of them all)."""
+    device, window = model.chunk_in.weight.device, model.config.window
+    step = WINDOW_BATCH * window
+    for start in range(0, len(rows), step):
+        part = rows[start : start + step]
+        yield slice(start, start + len(part)), Windows.of(part.to(device), window, start)
 
 
 def relative_error(original: torch.Tensor, decoded: torch.Tensor) -> float:

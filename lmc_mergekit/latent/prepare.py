@@ -260,7 +260,7 @@ def _write_part(
 ) -> tuple[Codes, dict[str, float]]:
     """Every key of ``part``: its decode, latents and (with ``residuals``) residual written;
     the part encoded from its own weights unless ``encoded`` gives the latents. Returns the
-    part's latents and reconstruction errors (the float64 decode goes with the call)."""
+    part's latents and reconstruction errors (the decode goes with the call)."""
     errors = {}
     if encoded is None:
         codes, decoded, errors = _encode_part(autoencoder, part)
@@ -271,11 +271,11 @@ def _write_part(
     for key, layout in part.keys.items():
         tensor = layout.assemble([decoded[piece] for piece in layout.pieces])
         writer.write({key: tensor.to(part.tensors[layout.pieces[0]].dtype)})
-        residual = None
+        # The latents before the residual is made: a large tensor's two are not held at once.
+        latents.write(key, [codes[(p.kind, p.layer)] for p in layout.pieces])
         if residuals:
             original = layout.assemble([part.tensors[p] for p in layout.pieces])
-            residual = _residual(original, tensor)
-        latents.write(key, [codes[(p.kind, p.layer)] for p in layout.pieces], residual)
+            latents.write_residual(key, _residual(original, tensor))
     return codes, errors
 
 

@@ -41,21 +41,25 @@ class LatentWriter:
         self._note = folder / AUTOENCODER_NOTE
         self._autoencoder = autoencoder
 
-    def write(
-        self, key: str, parts: list[EncodedTensor], residual: torch.Tensor | None = None
-    ) -> None:
-        """The latents of ``key`` from its pieces' ``parts`` (layout order), and its residual."""
-        mean = torch.cat([part.mean.float().cpu() for part in parts])
-        log_var = torch.cat([part.log_var.float().cpu() for part in parts])
+    def write(self, key: str, parts: list[EncodedTensor]) -> None:
+        """The latents of ``key`` from its pieces' ``parts`` (layout order)."""
+        # Filled in place: one (2, chunks, latent) copy, not a concatenation and a stack of it.
+        rows = sum(len(part.mean) for part in parts)
+        stacked = torch.empty(2, rows, parts[0].mean.shape[1])
+        start = 0
+        for part in parts:
+            stop = start + len(part.mean)
+            stacked[0, start:stop], stacked[1, start:stop] = part.mean, part.log_var
+            start = stop
         stats = [[part.norm.mean, part.norm.std] for part in parts]
-        self._latents.write(
-            {
-                key: torch.stack([mean, log_var]),
-                STATS_PREFIX + key: torch.tensor(stats, dtype=torch.float64),
-            }
-        )
-        if residual is not None and self._residuals is not None:
-            self._residuals.write({key: residual})
+        stats = torch.tensor(stats, dtype=torch.float64)
+        self._latents.write({key: stacked, STATS_PREFIX + key: stats})
+
+    def write_residual(self, key: str, residual: torch.Tensor) -> None:
+        """The reconstruction residual of ``key`` (a writer made with ``residuals``)."""
+        if self._residuals is None:
+            raise ValueError("this latent writer was made without residuals")
+        self._residuals.write({key: residual})
 
     def close(self) -> None:
         """Flush both and name the autoencoder."""

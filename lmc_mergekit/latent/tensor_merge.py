@@ -52,8 +52,8 @@ def merge_key(
     mean of ``samples`` posterior draws), their weighted average, decoded; with ``residuals``,
     plus the weighted average of the inputs' reconstruction residuals (over the inputs that
     have one), so that where the merge leaves a model unchanged its weights come back exactly.
-    Computed in float64 and rounded once to ``dtype``; the residuals are read and added a
-    slice of rows at a time."""
+    The decode (float32) and the residuals are summed in float64 and rounded once to
+    ``dtype``; the residuals are read and added a slice of rows at a time."""
     stores = [open_store(folder) for folder in folders]
     autoencoders = {store.autoencoder for store in stores}
     if len(autoencoders) > 1:

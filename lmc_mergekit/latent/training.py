@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import AutoencoderConfig, WeightAutoencoder, Windows
-from lmc_mergekit.latent.chunks import NamedTensor
+from lmc_mergekit.latent.chunks import NamedTensor, moments
 from lmc_mergekit.runtime.rollback import TrainingState, rollbacks_for_json
 from lmc_mergekit.runtime.schedule import warmup_cosine
 
@@ -192,22 +192,20 @@ class WindowStream:
         self.flat, self.norms, counts, kinds, layers = [], [], [], [], []
         for named in tensors:
             flat = named.tensor.detach().reshape(-1)
-            wide = flat.double()
-            mean, std = float(wide.mean()), float(wide.std()) if flat.numel() > 1 else 0.0
-            del wide
             self.flat.append(flat)
-            self.norms.append((mean, std if std > 0 else 1.0))
+            self.norms.append(moments(flat))
             counts.append(max(1, math.ceil(flat.numel() / self.size)))
-            kind, layer = model.tags(named.kind, named.layer, 1)
-            kinds.append(kind)
-            layers.append(layer)
+            # Indices, not tensors, until the end: small tensors made between the statistics'
+            # large transient ones fragment the heap (a model's worth of it kept resident).
+            kinds.append(model.kind_index(named.kind))
+            layers.append(named.layer)
         self.counts = torch.tensor(counts)
         windows = (self.counts + self.window - 1) // self.window
         #: The first window of each tensor in the global numbering, and the total.
         self.starts = torch.cumsum(windows, 0) - windows
         self.total = int(windows.sum())
         self.chunks = int(self.counts.sum())
-        self.kinds, self.layers = torch.cat(kinds), torch.cat(layers)
+        self.kinds, self.layers = model.tags_of(kinds, layers)
 
     def __len__(self) -> int:
         return self.total

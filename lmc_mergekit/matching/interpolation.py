@@ -268,10 +268,14 @@ def _summed_loss(
     """The summed next-token cross-entropy of ``states`` ``(n, d)`` through the final ``norm``
     and the ``weights``-mix of the endpoints' heads."""
     normed = final_norm(norm, states, spec)
-    pairs = zip(weights, readers, strict=True)
-    terms = [weight * reader.logits(normed) for weight, reader in pairs]
-    logits = soft_capped(sum(terms[1:], terms[0]), spec)
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
+    # Summed in place: one tokens × vocabulary tensor for the mix, not one per endpoint and
+    # their sum (the weights are sampled, not learned: the gradient needs no copy of a term).
+    logits = None
+    for weight, reader in zip(weights, readers, strict=True):
+        term = reader.logits(normed)
+        logits = term.mul_(weight) if logits is None else logits.add_(term.mul_(weight))
+        del term
+    return F.cross_entropy(soft_capped(logits, spec).float(), targets, reduction="sum")
 
 
 def _spans(count: int, size: int) -> list[tuple[int, int]]:

@@ -251,8 +251,11 @@ class _FrozenHead(torch.autograd.Function):
     def forward(ctx, states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weight)
         ctx.dtype = states.dtype
-        rows = torch.split(weight, HEAD_ROWS)
-        return torch.cat([states @ r.to(states.device, states.dtype).T for r in rows], dim=-1)
+        out = states.new_empty(*states.shape[:-1], len(weight))
+        for start in range(0, len(weight), HEAD_ROWS):  # filled in place: no second copy
+            rows = weight[start : start + HEAD_ROWS].to(states.device, states.dtype)
+            out[..., start : start + len(rows)] = states @ rows.T
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

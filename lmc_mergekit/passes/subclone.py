@@ -31,6 +31,7 @@ from lmc_mergekit.passes.base import (
 )
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
+from lmc_mergekit.runtime.memory import release_freed_memory
 from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.subclone.convert import (
     ConversionConfig,
@@ -249,6 +250,7 @@ def prepare(ctx: PassContext) -> SubclonePreparation | None:
         expected, ids = _conversion_logits(view, conversion.view, calibration.sequences, ctx)
         record = conversion.record
         del conversion  # the small model, before transformers loads its written copy
+        release_freed_memory()
         error = _check_written(expected, ids, out, ctx)
         donors.append(
             DonorRecord(

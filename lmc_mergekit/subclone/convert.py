@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner, embed
 from lmc_mergekit.models.view import Block, Head, InMemoryView, ModelSpec, Norm
+from lmc_mergekit.runtime.memory import release_freed_memory
 from lmc_mergekit.subclone.compensation import (
     SELECTION,
     RidgeFit,
@@ -137,7 +138,7 @@ def convert_model(
         donor_states, after_attention = _run_donor(
             donor_view, donor_runner, block, range(first, end), donor_states, channels, bar
         )
-        targets = [state[..., channels] for state in donor_states]
+        targets = _Kept(donor_states, channels)
         selection = select_block(block, donor, target, channels, plan, ranker)
         small = subclone_block(block, donor, target, channels, selection)
         fits = {}
@@ -152,10 +153,11 @@ def convert_model(
                 config,
                 device,
             )
-        student_states = [
-            seen.output.cpu() for seen in student_runner.each(small, student_states, position)
-        ]
+        _run_in_place(student_runner, small, student_states, position)
         blocks.append(small)
+        # A layer's batches free and allocate the same sizes again: without this the heap keeps
+        # each layer's freed pages and the conversion grows layer by layer.
+        release_freed_memory()
         records.append(
             {
                 "donor_layer": first,
@@ -237,21 +239,40 @@ def _variance(states: list[torch.Tensor]) -> torch.Tensor:
     return variance / variance.mean().clamp_min(1e-30)
 
 
+class _Kept(Sequence):
+    """The kept ``channels`` of each of ``states``, sliced when read (not a second copy of the
+    calibration stream)."""
+
+    def __init__(self, states: list[torch.Tensor], channels: torch.Tensor):
+        self.states, self.channels = states, channels
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index):
+        return self.states[index][..., self.channels]
+
+
 @torch.no_grad()
+def _run_in_place(runner, block, states: list[torch.Tensor], layer: int, kept=None, after=None):
+    """Replace each of ``states`` by ``block``'s output on it, one batch at a time (the stream
+    is held once, not twice); where ``after`` is a list, also append the ``kept`` channels of
+    the stream after the block's attention."""
+    for index, seen in enumerate(runner.each(block, states, layer)):
+        states[index] = seen.output.cpu()
+        if after is not None:
+            after.append(seen.mlp_reads[..., kept.to(seen.mlp_reads.device)].cpu())
+
+
 def _run_donor(view, runner, first_block, layers, states, channels, bar):
-    """Run donor ``layers`` on ``states``; also return the kept channels of the stream after
-    the first layer's attention (the target for a sequential block's attention output)."""
+    """Run donor ``layers`` on ``states`` in place; also return the kept channels of the
+    stream after the first layer's attention (the target for a sequential block's attention
+    output)."""
     after_attention = []
     for index in layers:
         block = first_block if index == layers[0] else view.block(index)
-        new_states = []
-        for seen in runner.each(block, states, index):
-            new_states.append(seen.output.cpu())
-            if index == layers[0] and not view.spec.parallel_residual:
-                after_attention.append(
-                    seen.mlp_reads[..., channels.to(seen.mlp_reads.device)].cpu()
-                )
-        states = new_states
+        first = index == layers[0] and not view.spec.parallel_residual
+        _run_in_place(runner, block, states, index, channels, after_attention if first else None)
         bar.update(1)
     return states, after_attention
 
@@ -263,7 +284,7 @@ def _compensate(
     layer: int,
     states: list[torch.Tensor],
     after_attention: list[torch.Tensor],
-    targets: list[torch.Tensor],
+    targets: Sequence[torch.Tensor],
     config: ConversionConfig,
     device: torch.device,
 ) -> tuple[Block, dict]:
@@ -333,7 +354,7 @@ def _refit(
     block: Block,
     layer: int,
     states: list[torch.Tensor],
-    targets: list[torch.Tensor],
+    targets: Sequence[torch.Tensor],
     features: Callable,
     baseline: Callable,
     weight: torch.Tensor,
