@@ -160,6 +160,27 @@ def test_weighted_average_and_posterior_average(trained, tensors):
     assert (average(400) - encoded.mean).norm() < 0.2 * (average(1) - encoded.mean).norm()
 
 
+def test_posterior_draws_made_a_slice_of_rows_at_a_time_are_independent(monkeypatch):
+    """Draws are made a few rows at a time: every slice draws its own noise (no slice repeats
+    another's), each row's draw is the mean's plus noise of its own spread, and the average
+    of many draws still converges to the mean."""
+    from lmc_mergekit.latent import merging
+
+    monkeypatch.setattr(merging, "SLICE", 8)  # two rows of four latents a slice
+    mean = torch.arange(24.0).reshape(6, 4)
+    log_var = torch.log(torch.tensor([1e-4, 1e-2, 1.0, 4.0])).expand(6, 4)
+
+    def draw(samples):
+        return posterior_average(mean, log_var, samples, torch.Generator().manual_seed(0))
+
+    noise = draw(1) - mean.double()
+    for first, second in ((0, 2), (0, 4), (2, 4)):
+        assert not torch.allclose(noise[first : first + 2], noise[second : second + 2])
+    spread = noise.abs().mean(0)
+    assert spread[0] < 0.05 and spread[1] < 0.5 and spread[3] > spread[2] > spread[1]
+    assert (draw(400) - mean).abs().max() < 0.5
+
+
 def test_gaussian_transport_moves_one_distribution_onto_the_other():
     generator = torch.Generator().manual_seed(0)
     source = torch.randn(4000, 3, generator=generator) @ torch.tensor(

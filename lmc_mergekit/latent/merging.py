@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.latent.chunks import SLICE
 
 
 def weighted_average(
@@ -33,11 +34,20 @@ def posterior_average(
     ``samples`` 0 gives the posterior mean itself."""
     if samples < 0:
         raise LmcError(f"the number of posterior samples cannot be negative ({samples})")
-    mean = mean.double()
     if samples == 0:
-        return mean
-    noise = torch.randn((samples, *mean.shape), generator=generator, dtype=torch.float64)
-    return mean + noise.mean(0) * (0.5 * log_var.double()).exp()
+        return mean.double()
+    # A slice of rows at a time, the draws summed one by one: a vocabulary's latents are not
+    # held ``samples`` times over in float64 (0.6 GB at 4 samples of a 49k × 576 embedding).
+    out = torch.empty(mean.shape, dtype=torch.float64)
+    step = max(1, SLICE // max(1, mean[0].numel()))
+    for start in range(0, len(mean), step):
+        rows = slice(start, start + step)
+        centre = mean[rows].double()
+        noise = torch.zeros_like(centre)
+        for _ in range(samples):
+            noise += torch.randn(centre.shape, generator=generator, dtype=torch.float64)
+        out[rows] = centre + noise / samples * (0.5 * log_var[rows].double()).exp()
+    return out
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from lmc_mergekit.models.view import (
     map_tensors,
 )
 from lmc_mergekit.runtime.distributed import Processes
+from lmc_mergekit.runtime.memory import trim_heap
 from lmc_mergekit.symmetry.actions import transform_block, transform_embeddings, transform_head
 from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 from lmc_mergekit.symmetry.transform import Transform
@@ -196,6 +197,7 @@ class InterpolationObjective(nn.Module):
         def block(index: int) -> Callable:
             def run(parts: list, residual: torch.Tensor) -> torch.Tensor:
                 self._note_gathered()
+                trim_heap()  # as each loss piece does (see _summed_loss)
                 act = lambda b, t: transform_block(b, spec, t, index)  # noqa: E731
                 parts = self.blocks[index].computed(parts)
                 return self.runner.output(_mix(moved(parts, act), weights), residual, index)
@@ -267,6 +269,10 @@ def _summed_loss(
 ) -> torch.Tensor:
     """The summed next-token cross-entropy of ``states`` ``(n, d)`` through the final ``norm``
     and the ``weights``-mix of the endpoints' heads."""
+    # Each piece's freed logits back to the system first (in the forward and again when the
+    # backward makes them again): glibc's heap otherwise keeps most of every piece's, and a
+    # step's resident memory grows by a piece's worth per piece.
+    trim_heap()
     normed = final_norm(norm, states, spec)
     # Summed in place: one tokens × vocabulary tensor for the mix, not one per endpoint and
     # their sum (the weights are sampled, not learned: the gradient needs no copy of a term).
