@@ -329,6 +329,7 @@ def stream_build_worker(shape: str, work: Path) -> None:
         max_position_embeddings=4096,
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],  # what mergekit reads the family from
         **PAIR_SHAPES[shape],
     )
     with torch.device("meta"):
