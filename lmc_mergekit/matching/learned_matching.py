@@ -44,7 +44,7 @@ from lmc_mergekit.matching.interpolation import (
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import ModelSpec, ModelView
 from lmc_mergekit.runtime.distributed import Processes
-from lmc_mergekit.runtime.memory import release_freed_memory
+from lmc_mergekit.runtime.memory import trim_heap
 from lmc_mergekit.runtime.rollback import TrainingState
 from lmc_mergekit.runtime.schedule import warmup_cosine
 from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
@@ -245,7 +245,7 @@ def learn_symmetries(
             batch = processes.shard(heldout).to(device)
             values = torch.stack([objective(w.to(device), batch) for w in mixes]).float()
         processes.mean([values])
-        release_freed_memory()  # the scoring's pieces: not kept by the heap for the steps
+        trim_heap()  # the scoring's pieces: not kept by the heap for the steps
         state.watch_seconds += time.perf_counter() - started
         return float(values.max())
 
@@ -275,7 +275,7 @@ def learn_symmetries(
         except (torch.linalg.LinAlgError, Diverged):  # a map went singular: like a NaN loss
             reduced = torch.tensor(math.nan, device=device)
         processes.mean([reduced] + [p.grad for p in params])
-        release_freed_memory()  # a step's pieces, freed: each step's peak, not their sum
+        trim_heap()  # a step's pieces, freed: each step's peak, not their sum
         value = float(reduced)
         state.steps_run += 1
         if state.diverged(value):

@@ -35,7 +35,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner, embed
 from lmc_mergekit.models.view import Block, Head, InMemoryView, ModelSpec, Norm
-from lmc_mergekit.runtime.memory import release_freed_memory
+from lmc_mergekit.runtime.memory import trim_heap
 from lmc_mergekit.subclone.compensation import (
     SELECTION,
     RidgeFit,
@@ -157,7 +157,7 @@ def convert_model(
         blocks.append(small)
         # A layer's batches free and allocate the same sizes again: without this the heap keeps
         # each layer's freed pages and the conversion grows layer by layer.
-        release_freed_memory()
+        trim_heap()
         records.append(
             {
                 "donor_layer": first,
