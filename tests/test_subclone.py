@@ -270,6 +270,8 @@ def test_dropping_dead_structure_keeps_the_function(tmp_path, variant):
     )
     dead = plant_dead_structure(donor_dir, tmp_path / "donor", target, plan)
     conversion, out = convert_exactly(dead, target, plan, tmp_path / "small")
+    if view.spec.tied_embeddings:  # one vocabulary matrix held for both, not two copies
+        assert conversion.view.head().weight is conversion.view.embeddings().tokens
     small = AutoModelForCausalLM.from_pretrained(out)
     assert small.num_parameters() < AutoModelForCausalLM.from_pretrained(dead).num_parameters()
     assert conversion.record["kept_layers"] == [0, 2]

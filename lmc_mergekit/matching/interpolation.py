@@ -148,6 +148,8 @@ class InterpolationObjective(nn.Module):
             part([view.block(index) for view in endpoints]) for index in range(self.spec.num_layers)
         )
         self.head = part([view.head() for view in endpoints])
+        # Moving each part made float64 transients of every size: the heap kept their pages.
+        trim_heap()
         #: The most parts held whole at once while a part ran (forward or recomputation).
         self.most_gathered = 0
 

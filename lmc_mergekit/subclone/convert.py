@@ -127,6 +127,7 @@ def convert_model(
 
     layers = kept_layers(donor.num_layers, target.num_layers)
     donor_states = [embed(emb, ids, donor) for ids in batches]
+    del emb  # read again at the end: not held through the layers
     student_states = [state[..., channels] for state in donor_states]
     blocks, records = [], []
     bar = tqdm(
@@ -135,7 +136,7 @@ def convert_model(
     for position, first in enumerate(layers):
         end = layers[position + 1] if position + 1 < len(layers) else donor.num_layers
         block = donor_view.block(first)
-        donor_states, after_attention = _run_donor(
+        after_attention = _run_donor(
             donor_view, donor_runner, block, range(first, end), donor_states, channels, bar
         )
         targets = _Kept(donor_states, channels)
@@ -170,7 +171,7 @@ def convert_model(
     # ``targets`` now holds the kept channels of the donor's final residual stream.
     final_error = _relative_error(student_states, targets)
 
-    head = donor_view.head()
+    emb, head = donor_view.embeddings(), donor_view.head()
     tokens, small_head = _embeddings_and_head(emb, head, channels, donor, target)
     blocks, small_head = _rescale(blocks, small_head, donor, target, config.rescale)
     positions = None
@@ -206,11 +207,12 @@ def _embeddings_and_head(emb, head, channels, donor: ModelSpec, target: ModelSpe
     ratio = donor.embedding_multiplier / target.embedding_multiplier
     tokens = emb.tokens[:, channels]
     norm = select_norm(head.norm, channels)
-    weight = head.weight[:, channels]
     if ratio != 1.0:
-        tokens = tokens * ratio
+        tokens.mul_(ratio)  # a copy already (indexed), scaled where it lies
         if donor.tied_embeddings:
-            weight, norm = tokens, norm.with_gain(norm.gain / ratio, norm.bias)
+            norm = norm.with_gain(norm.gain / ratio, norm.bias)
+    # A tied head is the embeddings: the same tensor, not a second vocabulary-sized copy.
+    weight = tokens if donor.tied_embeddings else head.weight[:, channels]
     return tokens, replace(head, norm=norm, weight=weight)
 
 
@@ -265,16 +267,15 @@ def _run_in_place(runner, block, states: list[torch.Tensor], layer: int, kept=No
 
 
 def _run_donor(view, runner, first_block, layers, states, channels, bar):
-    """Run donor ``layers`` on ``states`` in place; also return the kept channels of the
-    stream after the first layer's attention (the target for a sequential block's attention
-    output)."""
+    """Run donor ``layers`` on ``states`` in place; return the kept channels of the stream
+    after the first layer's attention (the target for a sequential block's attention output)."""
     after_attention = []
     for index in layers:
         block = first_block if index == layers[0] else view.block(index)
         first = index == layers[0] and not view.spec.parallel_residual
         _run_in_place(runner, block, states, index, channels, after_attention if first else None)
         bar.update(1)
-    return states, after_attention
+    return after_attention
 
 
 @torch.no_grad()
