@@ -18,7 +18,7 @@ with a fresh cache (``scale.py``'s ``pass-worker``), and its whole-command peak 
 from ``wait4`` (what ``/usr/bin/time -v`` reports), mergekit's merge and any evaluation
 included:
 
-- ``lmc_dm``: ``steps: 0`` (weight matching capped at ``--rounds``, both inputs written and
+- ``lmc_dm``: ``steps: 0`` (``matching: weights``, capped at ``--rounds``, both inputs written and
   self-checked, mergekit's merge) with evaluation (the loss along the raw and the matched path
   on ``--points`` λ values and the merged model's loss, ``--eval-sequences`` test sequences);
 - ``learn``: the same with one learned-matching step (the recipe's default batch), no
@@ -399,13 +399,15 @@ def target_config(name: str, folder: Path, args) -> Path:
 def recipe(kind: str, folders: list[Path], name: str, args) -> dict:
     """The recipe the pass ``kind`` runs on the pair ``folders`` of ``name``."""
     both = [{"model": str(m), "parameters": {"weight": 0.5}} for m in folders]
-    rounds = {"max_iterations": args.rounds} if args.rounds else {}
+    # Weight matching named: random models from different seeds lie in one basin to the start
+    # scorer, which would run no matching, and the pass would not be measured.
+    matching = {"matching": "weights", **({"max_iterations": args.rounds} if args.rounds else {})}
     if kind == "lmc_dm":
         evaluation = {"eval_sequences": args.eval_sequences, "points": args.points}
-        alignment = {"steps": 0, **evaluation, **rounds}
+        alignment = {"steps": 0, **evaluation, **matching}
         return {"merge_method": "lmc_dm", "models": both, "alignment": alignment}
     if kind == "learn":
-        alignment = {"steps": 1, "evaluate": False, **rounds}
+        alignment = {"steps": 1, "evaluate": False, **matching}
         return {"merge_method": "lmc_dm", "models": both, "alignment": alignment}
     if kind == "subclone":
         return {
