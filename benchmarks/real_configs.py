@@ -399,9 +399,10 @@ def target_config(name: str, folder: Path, args) -> Path:
 def recipe(kind: str, folders: list[Path], name: str, args) -> dict:
     """The recipe the pass ``kind`` runs on the pair ``folders`` of ``name``."""
     both = [{"model": str(m), "parameters": {"weight": 0.5}} for m in folders]
-    # Weight matching named: random models from different seeds lie in one basin to the start
-    # scorer, which would run no matching, and the pass would not be measured.
-    matching = {"matching": "weights", **({"max_iterations": args.rounds} if args.rounds else {})}
+    # Weight matching always kept: random models from different seeds lie in one basin to the
+    # one-basin check, which would run no matching, and the pass would not be measured.
+    matching = {"matching": "weights", "one_basin_check": False}
+    matching.update({"max_iterations": args.rounds} if args.rounds else {})
     if kind == "lmc_dm":
         evaluation = {"eval_sequences": args.eval_sequences, "points": args.points}
         alignment = {"steps": 0, **evaluation, **matching}
@@ -514,8 +515,9 @@ def measure(kind: str, folders: list[Path], name: str, args) -> dict:
     if kind in ("lmc_dm", "learn"):
         report = json.loads((out / "lmc_report.json").read_text())
         match = report["matching"][0]
+        rounds = match.get("iterations")
         row["detail"] = (
-            f"{match['iterations']} rounds of {match['seconds'] / match['iterations']:.0f} s"
+            f"{rounds} rounds of {match['seconds'] / rounds:.0f} s" if rounds else match["matching"]
         )
     if not args.keep:
         shutil.rmtree(run, ignore_errors=True)
