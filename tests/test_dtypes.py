@@ -129,8 +129,9 @@ def test_lmc_dm_prepares_bf16_inputs_in_their_dtypes(bf16_pair, tmp_path):
     AutoModelForCausalLM.from_pretrained(str(out))
 
 
-def test_subclone_keeps_a_fp16_donors_dtype(tmp_path):
-    f32 = model_with_tokenizer(tmp_path / "f32", "llama")
+@pytest.mark.parametrize("variant", ["llama", "gemma3_text"])  # Gemma: norms stored as gain - 1
+def test_subclone_keeps_a_fp16_donors_dtype(tmp_path, variant):
+    f32 = model_with_tokenizer(tmp_path / "f32", variant)
     donor = in_dtype(f32, tmp_path / "fp16", torch.float16)
     recipe = {
         "merge_method": "subclone_compensate",

@@ -119,8 +119,12 @@ class Norm:
         return weight + self.offset
 
     def with_gain(self, gain: torch.Tensor, bias: torch.Tensor | None = None) -> Norm:
-        """This norm with the effective gain ``gain`` (stored as ``gain - offset``)."""
-        return Norm(gain - self.offset if self.offset else gain, bias, self.offset)
+        """This norm with the effective gain ``gain`` (stored as ``gain - offset``, in the
+        stored parameter's dtype: :attr:`gain` is float32 where an offset is added, and a bf16
+        checkpoint's norm must not come back float32)."""
+        if not self.offset:
+            return Norm(gain, bias, self.offset)
+        return Norm((gain - self.offset).to(self.weight.dtype), bias, self.offset)
 
 
 @dataclass
