@@ -402,7 +402,8 @@ def recipe(kind: str, folders: list[Path], name: str, args) -> dict:
     # Weight matching always kept: random models from different seeds lie in one basin to the
     # one-basin check, which would run no matching, and the pass would not be measured.
     matching = {"matching": "weights", "one_basin_check": False}
-    matching.update({"max_iterations": args.rounds} if args.rounds else {})
+    if args.rounds:
+        matching["max_iterations"] = args.rounds
     if kind == "lmc_dm":
         evaluation = {"eval_sequences": args.eval_sequences, "points": args.points}
         alignment = {"steps": 0, **evaluation, **matching}
