@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_model
+from tiny_models import build_model, stored_tensors
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import (
@@ -39,9 +39,13 @@ def test_chunks_round_trip(shape):
 
 
 @pytest.fixture(scope="module")
-def tensors(tmp_path_factory):
-    folder = build_model("llama", tmp_path_factory.mktemp("latent") / "llama")
-    return model_tensors(open_model(folder))
+def llama(tmp_path_factory):
+    return build_model("llama", tmp_path_factory.mktemp("latent") / "llama")
+
+
+@pytest.fixture(scope="module")
+def tensors(llama):
+    return model_tensors(open_model(llama))
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +125,7 @@ def test_a_tensor_encodes_and_decodes_the_same_in_batches_of_windows(tensors, tr
     decoded = decode_tensor(model, whole)
     monkeypatch.setattr(codec, "WINDOW_BATCH", 3)
     windows_of_three = 3 * model.config.window
-    assert len(list(codec._window_batches(model, torch.zeros(200, 16)))) == -(
-        -200 // windows_of_three
-    )
+    assert len(list(codec._batch_rows(model, 200))) == -(-200 // windows_of_three)
     batched = encode_tensor(model, named)
     torch.testing.assert_close(batched.mean, whole.mean, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(batched.log_var, whole.log_var, atol=1e-5, rtol=1e-5)
@@ -198,3 +200,36 @@ def test_gaussian_transport_moves_one_distribution_onto_the_other():
     assert torch.allclose(identity.matrix, torch.eye(3, dtype=torch.float64), atol=1e-8)
     with pytest.raises(LmcError, match="common dimension"):
         gaussian_transport(source, target[:, :2])
+
+
+def test_a_prepared_folder_streamed_shard_by_shard_holds_what_it_holds_written_whole(
+    llama, trained, tmp_path, monkeypatch
+):
+    """Tensors at least a shard large are decoded, compared and written a batch of windows at
+    a time, each into a shard of its own (so that a vocabulary-sized decode, residual or
+    latent matrix is never held whole). With shards so small that every tensor streams, the
+    prepared folder holds exactly what it holds when every tensor is gathered and written
+    whole, and reports the same reconstruction errors."""
+    from lmc_mergekit.latent import codec, prepare, store
+
+    model, _ = trained
+    monkeypatch.setattr(codec, "WINDOW_BATCH", 2)  # several slices per tensor, both runs
+    folders, entries = [tmp_path / "whole", tmp_path / "streamed"], []
+    for folder in folders:
+        if folder.name == "streamed":
+            monkeypatch.setattr(prepare, "DEFAULT_SHARD_SIZE", 64)
+            monkeypatch.setattr(store, "SHARD_SIZE", 64)
+        inputs = [prepare.LatentInput.read(open_model(llama))]
+        entries += prepare.prepare_latents(
+            model, tmp_path / "ae.safetensors", inputs, [folder], False, 0.0, False
+        )[0]
+    for sub in (".", "latents", "latents/residuals"):
+        whole, streamed = (stored_tensors(folder / sub) for folder in folders)
+        assert whole.keys() == streamed.keys() and len(whole) > 3, sub
+        for key, tensor in whole.items():
+            assert torch.equal(streamed[key], tensor), (sub, key)
+        files = [sorted((folder / sub).glob("*.safetensors")) for folder in folders]
+        assert len(files[1]) > len(files[0]), sub  # the streamed tensors' own shards
+    errors = [entry["reconstruction_error"] for entry in entries]
+    assert errors[0].keys() == errors[1].keys()
+    assert errors[1] == pytest.approx(errors[0], rel=1e-9, abs=1e-12)

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from lmc_mergekit.latent.chunks import Normalisation, model_tensors
 from lmc_mergekit.latent.codec import EncodedTensor
 from lmc_mergekit.latent.heterogeneous import layer_map, resample_rows, transport_source
+from lmc_mergekit.latent.merging import posterior_average, weighted_average
 from lmc_mergekit.latent.store import open_store
 from lmc_mergekit.latent.tensor_merge import autoencoder_at, decode_key, prepared_layout
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
@@ -177,6 +178,38 @@ def test_extra_models_train_the_autoencoder_and_must_share_the_family(pair, tmp_
     refused_out = tmp_path / "refused"
     recipe = recipe_for(a, b, extra_models=[str(other)])
     refused(run_yaml(recipe, tmp_path, refused_out), refused_out, "one family")
+
+
+def test_a_tensor_merges_a_slice_at_a_time_as_it_merges_whole(pair, tmp_path, monkeypatch):
+    """The merge reads, draws, averages, decodes and adds the residuals a slice at a time (no
+    input's latents, decode or residual held whole): with slices of a few rows, the merged
+    tensor is bit for bit the one computed from the whole tensors."""
+    from lmc_mergekit.latent import codec, merging, tensor_merge
+
+    out = tmp_path / "merged"
+    report = merged_ok(run_yaml(recipe_for(*pair, evaluate=False), tmp_path, out), out)
+    folders = [str(folder) for folder in prepared_folders(report)]
+    stores = [open_store(folder) for folder in folders]
+    autoencoder = autoencoder_at(str(stores[0].autoencoder), "cpu")
+    monkeypatch.setattr(merging, "SLICE", 64)  # draws and averages of 6 rows of latents
+    monkeypatch.setattr(codec, "WINDOW_BATCH", 2)  # decodes of 16 chunks, across rows
+    weights, samples, seed = [0.3, 0.7], 2, 7
+    for key in ("model.embed_tokens.weight", "model.layers.1.self_attn.o_proj.weight"):
+        draws, stats = [], []
+        for index, store in enumerate(stores):
+            latents, normalisations = store.get(key)
+            generator = tensor_merge._generator(seed, key, index)
+            draws.append(posterior_average(latents[0], latents[1], samples, generator))
+            stats.append(normalisations)
+        layout = prepared_layout(folders[0])[key]
+        decoded = decode_key(
+            autoencoder, layout, weighted_average(draws, weights), weighted_average(stats, weights)
+        )
+        residual = weighted_average([store.residual(key) for store in stores], weights)
+        got = tensor_merge.merge_key(
+            key, folders, weights, True, samples, seed, True, torch.device("cpu"), torch.float32
+        )
+        assert torch.equal(got, (decoded + residual).float()), key
 
 
 def test_self_merge_averages_posterior_samples(tmp_path):

@@ -6,6 +6,7 @@ measured by ``benchmarks/real_configs.py``, not here.)"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -203,7 +204,7 @@ def test_large_tensors_are_read_a_slice_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(
         checkpoint.CheckpointReader,
         "_slice",
-        lambda self, *args: reads.append(args) or slicing(self, *args),
+        lambda self, *args, **within: reads.append(args) or slicing(self, *args, **within),
     )
     reader = CheckpointReader(folder)
     for name in ("lm_head.weight", "model.norm.weight"):
@@ -211,6 +212,51 @@ def test_large_tensors_are_read_a_slice_at_a_time(tmp_path, monkeypatch):
         assert got.dtype == stored[name].dtype and torch.equal(got, stored[name])
     vocab = stored["lm_head.weight"].shape[0]
     assert reads == [("lm_head.weight", i, i + 3) for i in range(0, vocab, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tensor_larger_than_a_shard_is_streamed_into_a_shard_of_its_own(dtype, tmp_path):
+    """A sink takes a tensor's values a slice at a time; one at least a shard large goes
+    straight to disk in its own shard, numbered and indexed among the writer's other shards,
+    readable by safetensors, our reader and mergekit's loader; an incomplete one is refused."""
+    from mergekit.io.lazy_tensor_loader import LazyTensorLoader, ShardedTensorIndex
+
+    from lmc_mergekit.models.checkpoint import ShardWriter
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=generator).to(dtype)
+        for name, shape in (("a", (3, 5)), ("big", (40, 30)), ("c", (7,)), ("d", (2, 2)))
+    }
+    writer = ShardWriter(tmp_path, 1000)
+    writer.write({"a": tensors["a"]})
+    flat = tensors["big"].reshape(-1)
+    with writer.sink("big", (40, 30), dtype) as sink:
+        assert sink._file is not None  # streamed, not gathered
+        for start in range(0, flat.numel(), 317):  # slices across rows
+            sink.write(flat[start : start + 317].float())  # cast to the sink's dtype
+    with writer.sink("c", (7,), dtype) as small:
+        assert small._file is None
+        small.write(tensors["c"][:4])
+        small.write(tensors["c"][4:])
+    writer.write({"d": tensors["d"]})
+    writer.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 3 and index["a"] != index["big"] != index["c"]
+    assert index["c"] == index["d"]
+    assert stored_tensors(tmp_path).keys() == tensors.keys()
+    loader = LazyTensorLoader(ShardedTensorIndex.from_disk(str(tmp_path)))
+    reader = CheckpointReader(tmp_path)
+    for name, tensor in tensors.items():
+        assert torch.equal(stored_tensors(tmp_path)[name], tensor)
+        assert torch.equal(loader.get_tensor(name), tensor)
+        assert torch.equal(reader.get(name), tensor)
+    with pytest.raises(ValueError, match="1199 of its 1200 values came"):
+        with ShardWriter(tmp_path / "short", 1000).sink("x", (40, 30), dtype) as sink:
+            sink.write(flat[:-1])
+    with pytest.raises(ValueError, match="more values than its shape"):
+        with ShardWriter(tmp_path / "long", 1000).sink("x", (7,), dtype) as sink:
+            sink.write(flat[:8])
 
 
 @pytest.mark.parametrize("variant", [*FAMILIES, "gemma3_multimodal"])

@@ -64,30 +64,45 @@ def moments(tensor: torch.Tensor) -> tuple[float, float]:
     return mean, std if std > 0 else 1.0
 
 
+def chunk_count(numel: int, size: int) -> int:
+    """How many chunks of ``size`` a tensor of ``numel`` elements is cut into (at least one)."""
+    return max(1, math.ceil(numel / size))
+
+
 def to_chunks(tensor: torch.Tensor, size: int) -> tuple[torch.Tensor, Normalisation]:
     """``tensor`` normalised and cut into float32 ``(ceil(numel / size), size)`` chunks."""
-    source = tensor.detach().reshape(-1)
-    mean, std = moments(source)
-    count = max(1, math.ceil(source.numel() / size))
-    padded = torch.zeros(count * size)
+    norm = Normalisation(tuple(tensor.shape), *moments(tensor))
+    return normalised_chunks(tensor, norm, size, 0, chunk_count(norm.numel, size)), norm
+
+
+def normalised_chunks(
+    tensor: torch.Tensor, norm: Normalisation, size: int, first: int, stop: int
+) -> torch.Tensor:
+    """Chunks ``first:stop`` of :func:`to_chunks`'s, float32 ``(stop - first, size)``, made
+    from ``tensor`` alone (a run of a large tensor's chunks costs the run)."""
+    source = tensor.detach().reshape(-1)[first * size : stop * size]
+    padded = torch.zeros((stop - first) * size)
     for start in range(0, source.numel(), SLICE):
         piece = source[start : start + SLICE].double()
-        padded[start : start + len(piece)] = ((piece - mean) / std).float()
-    return padded.reshape(count, size), Normalisation(tuple(tensor.shape), mean, std)
+        padded[start : start + len(piece)] = ((piece - norm.mean) / norm.std).float()
+    return padded.reshape(stop - first, size)
 
 
 def from_chunks(
-    chunks: torch.Tensor, norm: Normalisation, dtype: torch.dtype = torch.float32
+    chunks: torch.Tensor, norm: Normalisation, dtype: torch.dtype = torch.float32, first: int = 0
 ) -> torch.Tensor:
-    """The tensor that :func:`to_chunks` cut into ``chunks`` (padding dropped, scale restored),
-    computed in float64 a slice at a time and rounded once to ``dtype`` (float32 by default:
-    the autoencoder's own precision, and half the memory of a float64 embedding)."""
+    """The values that :func:`to_chunks` cut into ``chunks`` (chunks ``first:`` of the
+    tensor's), flat, padding dropped and scale restored, computed in float64 a slice at a time
+    and rounded once to ``dtype`` (float32 by default: the autoencoder's own precision, and
+    half the memory of a float64 embedding). All the chunks give the whole tensor's shape."""
     values = chunks.reshape(-1)
-    flat = torch.empty(norm.numel, dtype=dtype)
-    for start in range(0, norm.numel, SLICE):
-        stop = min(start + SLICE, norm.numel)
+    begin = first * chunks.shape[-1]
+    count = min(values.numel(), norm.numel - begin)
+    flat = torch.empty(count, dtype=dtype)
+    for start in range(0, count, SLICE):
+        stop = min(start + SLICE, count)
         flat[start:stop] = (values[start:stop].double() * norm.std + norm.mean).to(dtype)
-    return flat.reshape(norm.shape)
+    return flat.reshape(norm.shape) if count == norm.numel else flat
 
 
 def model_tensors(view: ModelView) -> list[NamedTensor]:

@@ -39,7 +39,7 @@ def posterior_average(
     # A slice of rows at a time, the draws summed one by one: a vocabulary's latents are not
     # held ``samples`` times over in float64 (0.6 GB at 4 samples of a 49k × 576 embedding).
     out = torch.empty(mean.shape, dtype=torch.float64)
-    step = max(1, SLICE // max(1, mean[0].numel()))
+    step = draw_rows(mean[0].numel())
     for start in range(0, len(mean), step):
         rows = slice(start, start + step)
         centre = mean[rows].double()
@@ -48,6 +48,12 @@ def posterior_average(
             noise += torch.randn(centre.shape, generator=generator, dtype=torch.float64)
         out[rows] = centre + noise / samples * (0.5 * log_var[rows].double()).exp()
     return out
+
+
+def draw_rows(width: int) -> int:
+    """The rows of latents ``width`` wide that :func:`posterior_average` draws at a time: a
+    caller that hands it such slices in order gets the draws of the whole tensor."""
+    return max(1, SLICE // max(1, width))
 
 
 @dataclass(frozen=True)

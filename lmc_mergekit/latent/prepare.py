@@ -14,20 +14,27 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from lmc_mergekit.data.tokenizer import shares_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder
-from lmc_mergekit.latent.chunks import SLICE, NamedTensor
-from lmc_mergekit.latent.codec import EncodedTensor, decode_tensor, encode_tensor, relative_error
+from lmc_mergekit.latent.chunks import NamedTensor
+from lmc_mergekit.latent.codec import (
+    EncodedTensor,
+    SliceDistance,
+    decode_tensor,
+    decoded_slices,
+    encode_tensor,
+    relative_error,
+)
 from lmc_mergekit.latent.heterogeneous import check_mapping, layer_map, own_pieces, transport_source
 from lmc_mergekit.latent.store import LatentStore, LatentWriter
-from lmc_mergekit.latent.tensor_merge import decode_key
+from lmc_mergekit.latent.tensor_merge import decoded_key_slices
 from lmc_mergekit.models.adapters import CheckpointView, open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, copy_tagalong_files
@@ -181,24 +188,39 @@ def _encode(
     parts = part_layouts(model.view.adapter, model.view)
     name = model.view.folder.name
     for part in tqdm(parts, desc=f"encoding {name}", total=_parts(model), disable=not progress):
-        codes, _, errors = _encode_part(autoencoder, part)
+        codes = _encode_part(autoencoder, part)
+        for piece, tensor in part.tensors.items():
+            reconstruction[_name(piece)] = _piece_error(autoencoder, codes[_tag(piece)], tensor)
         encoded.update(codes)
-        reconstruction.update(errors)
     return encoded, reconstruction
 
 
-def _encode_part(
-    autoencoder: WeightAutoencoder, part: PartLayout
-) -> tuple[Codes, dict[Piece, torch.Tensor], dict[str, float]]:
-    """Every canonical tensor of ``part`` (a tied head too) encoded, decoded, and each one's
-    reconstruction error."""
-    codes = {
-        (p.kind, p.layer): encode_tensor(autoencoder, NamedTensor(p.kind, p.layer, t))
+def _encode_part(autoencoder: WeightAutoencoder, part: PartLayout) -> Codes:
+    """Every canonical tensor of ``part`` (a tied head too) encoded."""
+    return {
+        _tag(p): encode_tensor(autoencoder, NamedTensor(p.kind, p.layer, t))
         for p, t in part.tensors.items()
     }
-    decoded = {p: decode_tensor(autoencoder, codes[(p.kind, p.layer)]) for p in part.tensors}
-    errors = {f"{p.kind}@{p.layer}": relative_error(t, decoded[p]) for p, t in part.tensors.items()}
-    return codes, decoded, errors
+
+
+def _piece_error(autoencoder: WeightAutoencoder, code: EncodedTensor, original) -> float:
+    """The reconstruction error of one piece, decoded a batch of windows at a time."""
+    error, flat = SliceDistance(), original.reshape(-1)
+    for start, values in _decoded(autoencoder, code):
+        error.add(flat[start : start + len(values)], values)
+    return error.relative
+
+
+def _decoded(autoencoder: WeightAutoencoder, code: EncodedTensor):
+    return decoded_slices(autoencoder, code.kind, code.layer, code.mean, code.norm)
+
+
+def _tag(piece: Piece) -> tuple[str, int]:
+    return piece.kind, piece.layer
+
+
+def _name(piece: Piece) -> str:
+    return f"{piece.kind}@{piece.layer}"
 
 
 def _parts(model: LatentInput) -> int:
@@ -260,23 +282,53 @@ def _write_part(
 ) -> tuple[Codes, dict[str, float]]:
     """Every key of ``part``: its decode, latents and (with ``residuals``) residual written;
     the part encoded from its own weights unless ``encoded`` gives the latents. Returns the
-    part's latents and reconstruction errors (the decode goes with the call)."""
-    errors = {}
-    if encoded is None:
-        codes, decoded, errors = _encode_part(autoencoder, part)
-    else:
-        codes = encoded
-        used = {piece for layout in part.keys.values() for piece in layout.pieces}
-        decoded = {p: decode_tensor(autoencoder, codes[(p.kind, p.layer)]) for p in used}
+    part's latents and reconstruction errors. A key that is one piece (an embedding, a head,
+    most of a block) is decoded, compared and written a batch of windows at a time: no whole
+    float32 decode or residual of a vocabulary-sized matrix is held."""
+    own = encoded is None
+    codes = _encode_part(autoencoder, part) if own else encoded
+    errors: dict[str, float] = {}
     for key, layout in part.keys.items():
-        tensor = layout.assemble([decoded[piece] for piece in layout.pieces])
-        writer.write({key: tensor.to(part.tensors[layout.pieces[0]].dtype)})
-        # The latents before the residual is made: a large tensor's two are not held at once.
-        latents.write(key, [codes[(p.kind, p.layer)] for p in layout.pieces])
+        latents.write(key, [codes[_tag(p)] for p in layout.pieces])
+        if layout.index is None:
+            slices = _decoded(autoencoder, codes[_tag(layout.pieces[0])])
+        else:  # a gather needs its pieces whole
+            flats = [decode_tensor(autoencoder, codes[_tag(p)]) for p in layout.pieces]
+            if own:
+                pieces = zip(layout.pieces, flats, strict=True)
+                errors.update({_name(p): relative_error(part.tensors[p], f) for p, f in pieces})
+            slices = [(0, layout.assemble(flats).reshape(-1))]
+        original = None
         if residuals:
-            original = layout.assemble([part.tensors[p] for p in layout.pieces])
-            latents.write_residual(key, _residual(original, tensor))
+            original = layout.assemble([part.tensors[p] for p in layout.pieces]).reshape(-1)
+        dtype = part.tensors[layout.pieces[0]].dtype
+        error = _write_key(key, layout.shape, dtype, slices, original, writer, latents)
+        if own and layout.index is None:
+            errors[_name(layout.pieces[0])] = error
+    if own:  # pieces no key is built from (a tied head) are reported all the same
+        for piece, tensor in part.tensors.items():
+            if _name(piece) not in errors:
+                errors[_name(piece)] = _piece_error(autoencoder, codes[_tag(piece)], tensor)
     return codes, errors
+
+
+def _write_key(key, shape, dtype, slices, original, writer, latents) -> float:
+    """The decoded tensor ``key`` written from its ``(start, values)`` ``slices`` (in
+    ``dtype``) and, given its ``original`` flat values, its residual ``original − decoded``
+    (float64, rounded to float32). Returns the reconstruction error (0 without an original)."""
+    error = SliceDistance()
+    with ExitStack() as stack:
+        decode = stack.enter_context(writer.sink(key, shape, dtype))
+        residual = None
+        if original is not None:
+            residual = stack.enter_context(latents.residual_sink(key, shape))
+        for start, values in slices:
+            decode.write(values)
+            if residual is not None:
+                ours = original[start : start + len(values)]
+                residual.write(ours.double() - values.double())
+                error.add(ours, values)
+    return error.relative
 
 
 def check_prepared(
@@ -284,62 +336,27 @@ def check_prepared(
 ) -> None:
     """Read the prepared folder back, part by part of ``like``: every tensor decoded from the
     stored latents (as the merge method will) must be the stored decode, and decode + residual
-    ``like``'s original. The stored decode and residual are read a slice of rows at a time."""
+    ``like``'s original. Decoded, read and compared a slice at a time."""
     store = LatentStore(out)
     written = CheckpointReader(out)
     for part in part_layouts(like.view.adapter, like.view):
         for key, key_layout in part.keys.items():
-            decoded = decode_key(autoencoder, key_layout, *store.means(key))
-            # The stored decode is in the input's dtype: compare at that precision.
-            error = _distance(
-                (stored, decoded[rows].to(stored.dtype))
-                for rows, stored in _row_slices(decoded, written.rows, key)
-            )
+            original = None
             if residuals:
                 original = key_layout.assemble([part.tensors[p] for p in key_layout.pieces])
-                rebuilt = _row_slices(decoded, store.residual_rows, key)
-                gap = _distance((original[rows], decoded[rows] + r.double()) for rows, r in rebuilt)
-                error = max(error, gap)
+                original = original.reshape(-1)
+            # The stored decode is in the input's dtype: compare at that precision.
+            stored, rebuilt = SliceDistance(), SliceDistance()
+            for start, values in decoded_key_slices(autoencoder, key_layout, *store.means(key)):
+                stop = start + len(values)
+                found = written.flat(key, start, stop)
+                stored.add(found, values.to(found.dtype))
+                if residuals:
+                    residual = store.residual_flat(key, start, stop).double()
+                    rebuilt.add(original[start:stop], values + residual)
+            error = max(stored.symmetric, rebuilt.symmetric)
             if not error <= READ_BACK_TOLERANCE:
                 raise LmcError(
                     f"self-check failed: {key!r} decoded from the written latents is "
                     f"{error:.1e} (relative) away from what the pass decoded; nothing was kept"
                 )
-
-
-def _row_slices(tensor: torch.Tensor, read, key: str):
-    """``(rows, read(key, start, stop))`` for slices ``rows`` of ``tensor``'s rows of about
-    :data:`SLICE` elements."""
-    step = max(1, SLICE // max(1, tensor[0].numel()))
-    for start in range(0, len(tensor), step):
-        yield slice(start, start + step), read(key, start, start + step)
-
-
-def _distance(pairs) -> float:
-    """``‖a − b‖`` relative to the larger of the two (zero tensors stay comparable), over the
-    ``(a, b)`` slices of ``pairs``, summed in float64."""
-    sums = torch.zeros(3, dtype=torch.float64)
-    for a, b in pairs:
-        x, y = a.double().reshape(-1), b.double().reshape(-1)
-        sums += torch.stack([x.square().sum(), y.square().sum(), (x - y).square().sum()])
-    norm_a, norm_b, gap = sums.sqrt().tolist()
-    return gap / max(norm_a, norm_b, 1e-30)
-
-
-def _residual(original: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """``original − decoded`` in float64, rounded to float32 (a slice at a time: elementwise,
-    so the same as at once)."""
-    out = torch.empty(original.numel(), dtype=torch.float32)
-    start = 0
-    for x, y in _flat_slices(original, decoded):
-        out[start : start + len(x)] = (x - y).float()
-        start += len(x)
-    return out.reshape(original.shape)
-
-
-def _flat_slices(*tensors: torch.Tensor):
-    """The tensors flattened and cut into aligned slices of :data:`SLICE` elements, each
-    slice in float64."""
-    flats = [t.reshape(-1) for t in tensors]
-    for start in range(0, flats[0].numel(), SLICE):
-        yield [flat[start : start + SLICE].double() for flat in flats]

@@ -21,7 +21,7 @@ import torch
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.codec import EncodedTensor
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
-from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter
+from lmc_mergekit.models.checkpoint import CheckpointReader, ShardWriter, TensorSink
 
 LATENT_FOLDER = Path("latents")
 AUTOENCODER_NOTE = LATENT_FOLDER / "autoencoder.json"
@@ -42,24 +42,22 @@ class LatentWriter:
         self._autoencoder = autoencoder
 
     def write(self, key: str, parts: list[EncodedTensor]) -> None:
-        """The latents of ``key`` from its pieces' ``parts`` (layout order)."""
-        # Filled in place: one (2, chunks, latent) copy, not a concatenation and a stack of it.
+        """The latents of ``key`` from its pieces' ``parts`` (layout order): every mean, then
+        every log-variance, a piece at a time (no stacked copy of a whole embedding's)."""
         rows = sum(len(part.mean) for part in parts)
-        stacked = torch.empty(2, rows, parts[0].mean.shape[1])
-        start = 0
-        for part in parts:
-            stop = start + len(part.mean)
-            stacked[0, start:stop], stacked[1, start:stop] = part.mean, part.log_var
-            start = stop
+        shape = (2, rows, parts[0].mean.shape[1])
+        with self._latents.sink(key, shape, torch.float32) as sink:
+            for values in [part.mean for part in parts] + [part.log_var for part in parts]:
+                sink.write(values)
         stats = [[part.norm.mean, part.norm.std] for part in parts]
-        stats = torch.tensor(stats, dtype=torch.float64)
-        self._latents.write({key: stacked, STATS_PREFIX + key: stats})
+        self._latents.write({STATS_PREFIX + key: torch.tensor(stats, dtype=torch.float64)})
 
-    def write_residual(self, key: str, residual: torch.Tensor) -> None:
-        """The reconstruction residual of ``key`` (a writer made with ``residuals``)."""
+    def residual_sink(self, key: str, shape: tuple[int, ...]) -> TensorSink:
+        """A sink for the reconstruction residual of ``key`` (float32; a writer made with
+        ``residuals``)."""
         if self._residuals is None:
             raise ValueError("this latent writer was made without residuals")
-        self._residuals.write({key: residual})
+        return self._residuals.sink(key, shape, torch.float32)
 
     def close(self) -> None:
         """Flush both and name the autoencoder."""
@@ -92,24 +90,37 @@ class LatentStore:
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior mean and log-variance ``(2, chunks, latent)`` and normalisations of
         ``key``."""
-        if not self._latents.has(key):
-            raise LmcError(f"the prepared latents hold no tensor {key!r}")
-        return self._latents.get(key), self._latents.get(STATS_PREFIX + key)
+        return self.latent_rows(key, 0, self.latent_shape(key)[0], True), self.normalisations(key)
 
     def means(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Posterior means ``(chunks, latent)`` (the log-variances left unread) and
         normalisations of ``key``."""
+        means = self.latent_rows(key, 0, self.latent_shape(key)[0], False)[0]
+        return means, self.normalisations(key)
+
+    def latent_shape(self, key: str) -> tuple[int, int]:
+        """``(chunks, latent)``: how many chunks ``key`` has, and the latent width."""
         if not self._latents.has(key):
             raise LmcError(f"the prepared latents hold no tensor {key!r}")
-        return self._latents.rows(key, 0, 1)[0], self._latents.get(STATS_PREFIX + key)
+        return self._latents.shape(key)[1:]
+
+    def latent_rows(self, key: str, start: int, stop: int, log_var: bool) -> torch.Tensor:
+        """The posterior means of chunks ``start:stop`` of ``key`` ``(1, rows, latent)``, and
+        with ``log_var`` their log-variances too ``(2, rows, latent)`` (read alone)."""
+        return self._latents.rows(key, start, stop, within=(slice(0, 2 if log_var else 1),))
+
+    def normalisations(self, key: str) -> torch.Tensor:
+        """The normalisation ``(pieces, 2)`` (mean, std) of each piece of ``key``."""
+        return self._latents.get(STATS_PREFIX + key)
 
     def has_residual(self, key: str) -> bool:
         """Whether ``key`` has a reconstruction residual (a transported source has none)."""
         return self._residuals is not None and self._residuals.has(key)
 
-    def residual_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of ``key``'s reconstruction residual (read alone)."""
-        return self._residuals.rows(key, start, stop)
+    def residual_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of ``key``'s reconstruction residual, flattened (read
+        alone)."""
+        return self._residuals.flat(key, start, stop)
 
     def residual(self, key: str) -> torch.Tensor | None:
         """The reconstruction residual of ``key`` (None for a transported source)."""

@@ -4,7 +4,9 @@ the same way to check it)."""
 
 from __future__ import annotations
 
+import math
 import zlib
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -12,9 +14,9 @@ import torch
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.autoencoder import WeightAutoencoder, load_autoencoder
-from lmc_mergekit.latent.chunks import SLICE, Normalisation
-from lmc_mergekit.latent.codec import decode_latents
-from lmc_mergekit.latent.merging import posterior_average, weighted_average
+from lmc_mergekit.latent.chunks import Normalisation, chunk_count
+from lmc_mergekit.latent.codec import decode_latents, decoded_slices
+from lmc_mergekit.latent.merging import draw_rows, posterior_average, weighted_average
 from lmc_mergekit.latent.store import open_store
 from lmc_mergekit.models.layout import KeyLayout, part_count, part_layout
 
@@ -23,18 +25,34 @@ def decode_key(
     autoencoder: WeightAutoencoder, layout: KeyLayout, latents: torch.Tensor, stats: torch.Tensor
 ) -> torch.Tensor:
     """The checkpoint tensor of ``layout`` decoded from its pieces' latents ``(chunks,
-    latent)`` and normalisations ``(pieces, 2)``."""
-    flats, start = [], 0
+    latent)`` and normalisations ``(pieces, 2)``, float32."""
+    flat = torch.empty(math.prod(layout.shape))
+    for start, values in decoded_key_slices(autoencoder, layout, latents, stats):
+        flat[start : start + len(values)] = values
+    return flat.reshape(layout.shape)
+
+
+def decoded_key_slices(
+    autoencoder: WeightAutoencoder, layout: KeyLayout, latents: torch.Tensor, stats: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """:func:`decode_key`'s tensor as ``(start, values)`` slices of its flat float32 values:
+    a key that is one piece (an embedding, a head) a batch of windows at a time, a gathered
+    key whole (its assembly needs every piece)."""
+    pieces, start = [], 0
     size = autoencoder.config.chunk_size
     for piece, (mean, std) in zip(layout.pieces, stats.tolist(), strict=True):
-        count = -(-piece.numel // size)
-        rows = latents[start : start + count]
-        start += count
+        count = chunk_count(piece.numel, size)
         norm = Normalisation(piece.shape, mean, std)
-        flats.append(decode_latents(autoencoder, piece.kind, piece.layer, rows, norm))
+        pieces.append((piece, latents[start : start + count], norm))
+        start += count
     if start != latents.shape[0]:
         raise LmcError("the latents do not fit the checkpoint layout; re-run the pre-merge pass")
-    return layout.assemble(flats)
+    if layout.index is None:
+        piece, rows, norm = pieces[0]
+        yield from decoded_slices(autoencoder, piece.kind, piece.layer, rows, norm)
+        return
+    flats = [decode_latents(autoencoder, p.kind, p.layer, rows, norm) for p, rows, norm in pieces]
+    yield 0, layout.assemble(flats).reshape(-1)
 
 
 def merge_key(
@@ -53,45 +71,53 @@ def merge_key(
     plus the weighted average of the inputs' reconstruction residuals (over the inputs that
     have one), so that where the merge leaves a model unchanged its weights come back exactly.
     The decode (float32) and the residuals are summed in float64 and rounded once to
-    ``dtype``; the residuals are read and added a slice of rows at a time."""
+    ``dtype``. The decode is made, and the residuals read and added, a slice at a time: what
+    is held besides the output is the averaged latents."""
     stores = [open_store(folder) for folder in folders]
     autoencoders = {store.autoencoder for store in stores}
     if len(autoencoders) > 1:
         raise LmcError("ls_merge inputs were encoded by different autoencoders; re-run the recipe")
     autoencoder = autoencoder_at(str(autoencoders.pop()), str(device))
-    merged = decode_key(
-        autoencoder,
-        prepared_layout(folders[0])[key],
-        *_averaged_latents(stores, key, weights, normalize, samples, seed),
-    )
+    layout = prepared_layout(folders[0])[key]
+    latents, stats = _averaged_latents(stores, key, weights, normalize, samples, seed)
     with_residual = [(store, w) for store, w in zip(stores, weights, strict=True)]
     with_residual = [(store, w) for store, w in with_residual if store.has_residual(key)]
     # All weight on transported sources: there is no residual to add.
-    if not residuals or not with_residual or sum(w for _, w in with_residual) == 0:
-        return merged.to(dtype)
-    out = torch.empty(merged.shape, dtype=dtype)
-    step = max(1, SLICE // max(1, merged[0].numel()))
-    for start in range(0, len(merged), step):
-        stop = start + step
-        found = [store.residual_rows(key, start, stop) for store, _ in with_residual]
-        average = weighted_average(found, [w for _, w in with_residual], normalize)
-        out[start:stop] = (merged[start:stop] + average).to(dtype)
+    if not residuals or sum(w for _, w in with_residual) == 0:
+        with_residual = []
+    out = torch.empty(layout.shape, dtype=dtype)
+    flat = out.view(-1)
+    for start, values in decoded_key_slices(autoencoder, layout, latents, stats):
+        stop = start + len(values)
+        if with_residual:
+            found = [store.residual_flat(key, start, stop) for store, _ in with_residual]
+            values = values + weighted_average(found, [w for _, w in with_residual], normalize)
+        flat[start:stop] = values.to(dtype)
     return out
 
 
 def _averaged_latents(stores, key, weights, normalize, samples, seed):
-    """The weighted average of the inputs' posterior means (or draws) of ``key``, and of their
-    normalisations; each input's stored latents are let go once its draw is made."""
-    draws, stats = [], []
-    for index, store in enumerate(stores):
-        if samples:
-            (mean, log_var), normalisations = store.get(key)
-        else:  # the posterior means alone: the log-variances are not read
-            (mean, normalisations), log_var = store.means(key), None
-        draws.append(posterior_average(mean, log_var, samples, _generator(seed, key, index)))
-        stats.append(normalisations)
-        del mean, log_var
-    return weighted_average(draws, weights, normalize), weighted_average(stats, weights, normalize)
+    """The weighted average of the inputs' posterior means (or draws) of ``key`` in float32
+    (what the decoder takes: rounded once from the float64 average), and of their
+    normalisations. Made a slice of rows at a time across the inputs (the slices
+    :func:`posterior_average` draws in, each input with its own stream: the same draws as
+    at once), so that no input's latents are held whole."""
+    shapes = {store.latent_shape(key) for store in stores}
+    if len(shapes) > 1:
+        raise LmcError(f"the inputs' latents of {key!r} differ in shape; re-run the recipe")
+    count, width = shapes.pop()
+    out = torch.empty(count, width)
+    generators = [_generator(seed, key, index) for index in range(len(stores))]
+    step = draw_rows(width)
+    for start in range(0, count, step):
+        draws = []
+        for store, generator in zip(stores, generators, strict=True):
+            found = store.latent_rows(key, start, start + step, samples > 0)
+            log_var = found[1] if samples else None
+            draws.append(posterior_average(found[0], log_var, samples, generator))
+        out[start : start + step] = weighted_average(draws, weights, normalize)
+    stats = [store.normalisations(key) for store in stores]
+    return out, weighted_average(stats, weights, normalize)
 
 
 def _generator(seed: int, key: str, index: int) -> torch.Generator:

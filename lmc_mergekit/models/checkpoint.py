@@ -227,16 +227,30 @@ class CheckpointReader:
         with safe_open(str(self._path(name)), "pt") as fp:
             return tuple(fp.get_slice(self._aliases.get(name, name)).get_shape())
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` (first dimension) of the tensor ``name``, read alone: a slice of
-        a whole embedding costs the slice, not the embedding."""
-        tensor = self._slice(name, start, stop)
+    def rows(
+        self, name: str, start: int, stop: int, within: tuple[slice, ...] = ()
+    ) -> torch.Tensor:
+        """Rows ``start:stop`` of the tensor ``name``, read alone: a slice of a whole embedding
+        costs the slice, not the embedding. The rows are of the first dimension, or with
+        ``within`` (slices of the leading dimensions) of the dimension after them."""
+        tensor = self._slice(name, start, stop, within)
         self._check_finite(name, tensor)
         return tensor
 
-    def _slice(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the tensor ``name`` flattened, reading only the rows
+        they lie in."""
+        shape = self.shape(name)
+        width = math.prod(shape[1:])
+        if not shape:
+            return self.get(name).reshape(-1)[start:stop]
+        first = start // width
+        values = self.rows(name, first, -(-stop // width)).reshape(-1)
+        return values[start - first * width : stop - first * width]
+
+    def _slice(self, name: str, start: int, stop: int, within: tuple[slice, ...] = ()):
         with safe_open(str(self._path(name)), "pt") as fp:
-            return fp.get_slice(self._aliases.get(name, name))[start:stop]
+            return fp.get_slice(self._aliases.get(name, name))[(*within, slice(start, stop))]
 
     def _path(self, name: str) -> Path:
         if name not in self._names:
@@ -312,9 +326,89 @@ class ShardWriter:
                 with self._writer._lock:
                     self._writer._flush_current_shard()
 
+    def sink(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSink:
+        """A sink that takes tensor ``name``'s flat values in order, a slice at a time (use it
+        as a context manager). One at least a shard large goes straight into a shard of its
+        own, so that it is never held whole; a smaller one is gathered and queued."""
+        return TensorSink(self, name, shape, dtype)
+
+    def _own_shard(self, name: str, nbytes: int) -> Path:
+        """The file of a new shard that holds ``name`` alone (``nbytes`` of data), numbered
+        and indexed as mergekit's writer numbers and indexes its own."""
+        writer = self._writer
+        with writer._lock:
+            writer._flush_current_shard()
+            prefix, extension = writer._get_name_components()
+            shard = f"{prefix}-{writer.shards_written + 1}.{extension}"
+            writer.shards_written += 1
+            writer.weight_map[name] = shard
+            writer.total_size += nbytes
+        return Path(writer.out_path) / shard
+
     def close(self) -> None:
         """Flush the last shard and write the index."""
         self._writer.finalize()
+
+
+#: safetensors' names of the dtypes a sink streams.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+}
+
+
+class TensorSink:
+    """One tensor of a :class:`ShardWriter`, taken as flat values in order (see
+    :meth:`ShardWriter.sink`); on leaving the ``with`` block every value must have come."""
+
+    def __init__(self, writer: ShardWriter, name: str, shape: tuple[int, ...], dtype):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        self.numel, self.filled = math.prod(shape), 0
+        self._writer = writer
+        nbytes = self.numel * dtype.itemsize
+        self._buffer, self._file = None, None
+        if nbytes < writer._max or dtype not in _SAFETENSORS_DTYPES:
+            self._buffer = torch.empty(self.numel, dtype=dtype)
+            return
+        header = {
+            "__metadata__": {"format": "pt"},
+            name: {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(self.shape),
+                "data_offsets": [0, nbytes],
+            },
+        }
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+        self._file = writer._own_shard(name, nbytes).open("wb")
+        self._file.write(len(text).to_bytes(8, "little") + text)
+
+    def __enter__(self) -> TensorSink:
+        return self
+
+    def write(self, values: torch.Tensor) -> None:
+        """The next ``values.numel()`` values of the tensor (any shape, cast to its dtype)."""
+        flat = values.detach().reshape(-1).to(self.dtype)
+        if self.filled + flat.numel() > self.numel:
+            raise ValueError(f"{self.name}: more values than its shape {self.shape} holds")
+        if self._buffer is not None:
+            self._buffer[self.filled : self.filled + flat.numel()] = flat
+        else:
+            self._file.write(flat.contiguous().view(torch.uint8).numpy().data)
+        self.filled += flat.numel()
+
+    def __exit__(self, error_type, error, trace) -> None:
+        if self._file is not None:
+            self._file.close()
+        if error_type is not None:
+            return
+        if self.filled != self.numel:
+            raise ValueError(f"{self.name}: {self.filled} of its {self.numel} values came")
+        if self._buffer is not None:
+            self._writer.write({self.name: self._buffer.reshape(self.shape)})
+            self._buffer = None
 
 
 def copy_tagalong_files(source: Path, target: Path) -> None:

@@ -50,6 +50,11 @@ class KeyLayout:
     pieces: tuple[Piece, ...]
     index: torch.Tensor | None = None
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape."""
+        return self.pieces[0].shape if self.index is None else tuple(self.index.shape)
+
     def assemble(self, flats: list[torch.Tensor]) -> torch.Tensor:
         """The checkpoint tensor from the pieces' values (one tensor per piece, any shape)."""
         if self.index is None:
