@@ -390,6 +390,56 @@ def test_learned_matching_loss_in_pieces_and_from_bf16_endpoints(variant, tmp_pa
     )
 
 
+@pytest.mark.parametrize(
+    ("variant", "keep_tie"),
+    [("llama_gqa_tied", False), ("gpt2_tied", False), ("gemma2_softcap_windows", True)],
+)
+def test_a_tied_endpoints_head_is_read_through_its_tokens(variant, keep_tie, tmp_path, monkeypatch):
+    """A tied endpoint, moved (its final norm absorbed into the head, so that head and tokens
+    differ) or not, holds no second vocabulary-sized matrix for its head: a d × d map reads
+    its moved tokens, giving the moved head's logits, and the objective's loss and gradients
+    are those of the endpoints' held heads."""
+    from lmc_mergekit.matching import interpolation
+    from lmc_mergekit.matching.interpolation import InterpolationObjective
+    from lmc_mergekit.models.block_runner import BlockRunner, final_norm
+    from lmc_mergekit.symmetry import apply_transform
+    from lmc_mergekit.symmetry.actions import head_through_tokens
+
+    folders = [build_model(variant, tmp_path / name, seed=s) for s, name in enumerate("ab")]
+    views = [open_model(folder) for folder in folders]
+    spec = views[0].spec
+    assert spec.tied_embeddings
+    ends = [views[0]] + [
+        apply_transform(view, random_transform(spec, seed=5, keep_tie=keep_tie))
+        for view in views[1:]
+    ]
+    states = torch.randn(6, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    for end in ends:
+        head, moved = head_through_tokens(end), end.head()
+        tokens = end.embeddings().tokens.double()
+        assert head.bias is None and head.weight.shape == (spec.hidden_size,) * 2
+        through = final_norm(head.norm, states, end.spec).double() @ head.weight.double().T
+        through = through @ tokens.T
+        direct = final_norm(moved.norm, states, end.spec).double() @ moved.weight.double().T
+        if moved.bias is not None:
+            direct = direct + moved.bias.double()
+        torch.testing.assert_close(through, direct, rtol=1e-5, atol=1e-5)
+    assert head_through_tokens(materialize(views[0])) is None  # not read from a checkpoint
+    runner = BlockRunner(folders[0], views[0].adapter, spec, torch.device("cpu"))
+    objective = InterpolationObjective(ends, [None, None], runner)
+    assert objective.reads_tokens
+    assert all(
+        len(param) == spec.hidden_size for param in objective.head.parameters() if param.dim()
+    )
+    ids = probe_ids(seed=1, shape=(3, 16))
+    through = _objective_loss_and_grads(ends, folders[0], ids)
+    monkeypatch.setattr(interpolation, "head_through_tokens", lambda view: None)
+    held = _objective_loss_and_grads(ends, folders[0], ids)
+    assert through[0] == pytest.approx(held[0], rel=1e-6)
+    for got, want in zip(through[1], held[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_frozen_half_precision_head_is_read_a_slice_at_a_time(monkeypatch):
     """A bf16 head read by float32 states: cast a few rows at a time in the forward and again
     in the backward, giving the product (and the states' gradient) of the whole float32 head."""

@@ -48,7 +48,12 @@ from lmc_mergekit.models.view import (
 )
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.memory import trim_heap
-from lmc_mergekit.symmetry.actions import transform_block, transform_embeddings, transform_head
+from lmc_mergekit.symmetry.actions import (
+    head_through_tokens,
+    transform_block,
+    transform_embeddings,
+    transform_head,
+)
 from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 from lmc_mergekit.symmetry.transform import Transform
 
@@ -147,7 +152,14 @@ class InterpolationObjective(nn.Module):
         self.blocks = nn.ModuleList(
             part([view.block(index) for view in endpoints]) for index in range(self.spec.num_layers)
         )
-        self.head = part([view.head() for view in endpoints])
+        # A tied endpoint's head read through its embeddings' tokens (a d × d map), not
+        # held as a second vocabulary-sized matrix: in one process, where the embeddings'
+        # tokens stay whole, and when every endpoint's can (so that no held head is cast).
+        heads = [None if mesh is not None else head_through_tokens(v) for v in endpoints]
+        self.reads_tokens = all(head is not None for head in heads)
+        if not self.reads_tokens:
+            heads = [view.head() for view in endpoints]
+        self.head = part(heads)
         # Moving each part made float64 transients of every size: the heap kept their pages.
         trim_heap()
         #: The most parts held whole at once while a part ran (forward or recomputation).
@@ -217,6 +229,10 @@ class InterpolationObjective(nn.Module):
                 HeadReader(part.weight, probe.weight, probe.bias, part.bias)
                 for part, probe in zip(parts, probes, strict=True)
             ]
+            if self.reads_tokens:  # each part is a d × d reader of its endpoint's tokens
+                readers = [
+                    self._through_tokens(index, reader) for index, reader in enumerate(readers)
+                ]
             # transformers' causal-LM loss: every position predicts the next token. The logits
             # are made a few hundred tokens at a time and made again in the backward.
             states, targets = residual[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten()
@@ -239,6 +255,14 @@ class InterpolationObjective(nn.Module):
         for index, module in enumerate(self.blocks):
             residual = checkpoint(module, block(index), residual, use_reentrant=False)
         return self.head(loss, residual)
+
+    def _through_tokens(self, index: int, reader: HeadReader) -> HeadReader:
+        """``reader`` of endpoint ``index``'s ``d × d`` head ``C`` as a reader of its token
+        embeddings: ``(x·Mᵀ + μ)·Cᵀ = x·(C·M)ᵀ + μ·Cᵀ``."""
+        tokens = getattr(self.embeddings, _key(index, "tokens"))
+        matrix = reader.weight
+        shift = None if reader.shift is None else reader.shift.to(matrix) @ matrix.T
+        return HeadReader(tokens, matrix @ reader.matrix.to(matrix), shift, None)
 
 
 class HeadReader(NamedTuple):

@@ -86,6 +86,34 @@ class TransformedView:
             yield _in_float64(part, lambda p: move(p, self.transform), self.dtype)
 
 
+def head_through_tokens(view: ModelView) -> Head | None:
+    """For a view whose head is its token embeddings (a tied checkpoint, as it is or moved):
+    the head as a ``d × d`` reader of the view's own (moved) embeddings, ``Head(norm, C)`` with
+    ``logits = norm(x)·Cᵀ·tokensᵀ``, ``C`` in float32, the norm as the view's head has it (a
+    LayerNorm bias the head cannot take stays in it). A caller that holds the tokens then needs
+    no second vocabulary-sized matrix for the head, though a moved head (a final norm absorbed
+    into it) differs from the moved tokens: both are the stored matrix moved row by row,
+    ``tokens = E·B`` and ``head = E·A``, so ``C = B⁻¹·A``. None for any other view (an untied
+    head, a head bias, a view not read from a checkpoint)."""
+    from lmc_mergekit.models.adapters.base import CheckpointView
+
+    source, transform = view, None
+    if isinstance(view, TransformedView):
+        source, transform = view.source, view.transform
+    if not isinstance(source, CheckpointView) or not source.spec.tied_embeddings:
+        return None
+    first = next(row_chunks(source, "head", 1))  # the norm, and one row of the vocabulary
+    if first.bias is not None:
+        return None
+    d = first.weight.shape[1]
+    eye = torch.eye(d, dtype=torch.float64)
+    rows = eye if transform is None else transform_embeddings(Embeddings(eye), transform).tokens
+    probe = replace(first, weight=torch.linalg.inv(rows).float())
+    if transform is None:
+        return probe
+    return _in_float64(probe, lambda head: transform_head(head, transform))
+
+
 # Rows of an embedding or head moved at once (a slice of 8192 × 4096 float64 is 256 MiB).
 ROW_SLICE = 8192
 
