@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from lmc_mergekit.data.tokenizer import shares_tokenizer
@@ -312,7 +314,15 @@ def _write_part(
     return codes, errors
 
 
-def _write_key(key, shape, dtype, slices, original, writer, latents) -> float:
+def _write_key(
+    key: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    slices: Iterable[tuple[int, torch.Tensor]],
+    original: torch.Tensor | None,
+    writer: ShardWriter,
+    latents: LatentWriter,
+) -> float:
     """The decoded tensor ``key`` written from its ``(start, values)`` ``slices`` (in
     ``dtype``) and, given its ``original`` flat values, its residual ``original − decoded``
     (float64, rounded to float32). Returns the reconstruction error (0 without an original)."""

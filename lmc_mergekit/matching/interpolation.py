@@ -226,13 +226,9 @@ class InterpolationObjective(nn.Module):
             probes = moved(self.head.computed([_probe(p) for p in parts]), transform_head)
             norm = _mix([probe.norm for probe in probes], weights)
             readers = [
-                HeadReader(part.weight, probe.weight, probe.bias, part.bias)
-                for part, probe in zip(parts, probes, strict=True)
+                self._reader(index, part, probe)
+                for index, (part, probe) in enumerate(zip(parts, probes, strict=True))
             ]
-            if self.reads_tokens:  # each part is a d × d reader of its endpoint's tokens
-                readers = [
-                    self._through_tokens(index, reader) for index, reader in enumerate(readers)
-                ]
             # transformers' causal-LM loss: every position predicts the next token. The logits
             # are made a few hundred tokens at a time and made again in the backward.
             states, targets = residual[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten()
@@ -256,13 +252,16 @@ class InterpolationObjective(nn.Module):
             residual = checkpoint(module, block(index), residual, use_reentrant=False)
         return self.head(loss, residual)
 
-    def _through_tokens(self, index: int, reader: HeadReader) -> HeadReader:
-        """``reader`` of endpoint ``index``'s ``d × d`` head ``C`` as a reader of its token
-        embeddings: ``(x·Mᵀ + μ)·Cᵀ = x·(C·M)ᵀ + μ·Cᵀ``."""
+    def _reader(self, index: int, part: Head, probe: Head) -> HeadReader:
+        """Endpoint ``index``'s head ``part`` read through its moved ``probe`` (``M``, ``μ``):
+        its held head, or where the part is a ``d × d`` map ``C`` of the endpoint's tokens,
+        those tokens: ``(x·Mᵀ + μ)·Cᵀ = x·(C·M)ᵀ + μ·Cᵀ``."""
+        if not self.reads_tokens:
+            return HeadReader(part.weight, probe.weight, probe.bias, part.bias)
         tokens = getattr(self.embeddings, _key(index, "tokens"))
-        matrix = reader.weight
-        shift = None if reader.shift is None else reader.shift.to(matrix) @ matrix.T
-        return HeadReader(tokens, matrix @ reader.matrix.to(matrix), shift, None)
+        matrix = part.weight
+        shift = None if probe.bias is None else probe.bias.to(matrix) @ matrix.T
+        return HeadReader(tokens, matrix @ probe.weight.to(matrix), shift, None)
 
 
 class HeadReader(NamedTuple):

@@ -241,9 +241,9 @@ class CheckpointReader:
         """Elements ``start:stop`` of the tensor ``name`` flattened, reading only the rows
         they lie in."""
         shape = self.shape(name)
-        width = math.prod(shape[1:])
         if not shape:
             return self.get(name).reshape(-1)[start:stop]
+        width = math.prod(shape[1:])
         first = start // width
         values = self.rows(name, first, -(-stop // width)).reshape(-1)
         return values[start - first * width : stop - first * width]

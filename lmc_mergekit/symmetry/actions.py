@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.view import (
     MLP,
     Attention,
@@ -95,8 +96,6 @@ def head_through_tokens(view: ModelView) -> Head | None:
     into it) differs from the moved tokens: both are the stored matrix moved row by row,
     ``tokens = E·B`` and ``head = E·A``, so ``C = B⁻¹·A``. None for any other view (an untied
     head, a head bias, a view not read from a checkpoint)."""
-    from lmc_mergekit.models.adapters.base import CheckpointView
-
     source, transform = view, None
     if isinstance(view, TransformedView):
         source, transform = view.source, view.transform
