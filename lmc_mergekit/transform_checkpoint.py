@@ -8,6 +8,7 @@ from lmc_mergekit.evaluation.selfcheck import check_transformed
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
 from lmc_mergekit.models.view import ModelSpec
+from lmc_mergekit.runtime.memory import release_freed_memory
 from lmc_mergekit.runtime.publish import staged_folder
 from lmc_mergekit.symmetry import Transform, apply_transform
 
@@ -34,4 +35,5 @@ def transform_checkpoint(
     with staged_folder(out, "replace" if overwrite else "refuse") as staging:
         spec = view.adapter.save(moved, staging, view.folder, max_shard_size, progress)
         error = check_transformed(view, transform, staging, trust_remote_code)
+    release_freed_memory()  # the check's float32 parts: not kept while the next input is written
     return spec, error

@@ -29,6 +29,7 @@ from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import InMemoryView, ModelSpec, ModelView, materialize
 from lmc_mergekit.runtime.distributed import Processes
+from lmc_mergekit.runtime.memory import release_freed_memory
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
 
@@ -131,6 +132,7 @@ def align(
     matched, matching = processes.from_main(
         lambda: match_all(views, config, state_dir, keep, progress, device, runners, calibration)
     )
+    release_freed_memory()  # matching's working set: not kept beside what comes next
     alignment = Alignment(matched, matched, matching)
     alignment.seconds["matching"] = time.perf_counter() - started
     if config.matches and all(record["matching"] == "kept" for record in matching):
@@ -152,6 +154,7 @@ def align(
         progress=progress,
         on_checkpoint=on_checkpoint,
     )
+    release_freed_memory()  # the endpoints learning held: not kept while the inputs are written
     alignment.final = [t.then(u) for t, u in zip(matched, result.transforms, strict=True)]
     alignment.learning = result
     alignment.seconds["learning"] = time.perf_counter() - started
