@@ -14,22 +14,32 @@
 6. ``ls_merge`` on the pair (autoencoder trained and the inputs encoded on the GPU);
 7. the scale rows (``benchmarks/scale.py --cuda``) at ``--shape``: ``lmc_dm`` with ``steps: 0``,
    ``subclone_compensate`` to half width, ``ls_merge`` encoding, one learned step against one
-   plain training step.
+   plain training step;
+8. a 1B-shape pair (TinyLlama's shape, random bf16, built here a tensor at a time): ``lmc_dm``
+   with one weight-matching round and ``--learn-steps`` (50) learned steps on the GPU, in a
+   fresh process: seconds, a learned step's seconds, the GPU's and the host's peaks;
+9. the 7B-shape pair (Llama-2-7B's shape, random bf16, built here; in ``/dev/shm`` where it
+   has room): ``benchmarks/scale.py pair --shape 7b --rounds 1 --cuda``, mergekit's
+   ``linear`` and ``lmc_dm`` (weights, ``steps: 0``) side by side on the GPU, each a whole
+   command: seconds, host memory apart into anonymous and mapped, the GPU's peak, the stage
+   split.
 
 ``--dry-run`` runs the same stages on the CPU at toy sizes (a d=32 pair, a few steps; two gloo
-processes under ``torchrun``; no scale rows) in a few minutes: it checks the script, not the
+processes under ``torchrun``; no scale rows; the large rows on a toy Llama pair) in a few
+minutes: it checks the script, not the
 GPU, so that the day a GPU is lent is not spent on a typo. Each stage prints its row as it
 finishes; a stage that fails prints its error and the run goes on (the exit status counts the
 failed stages). Everything printed is also written to ``$OUT/gpu_check.md`` when ``OUT`` is set.
 With ``--markdown``, the tables of the stages that succeeded are written, once every stage has
-run, as the blocks ``table-lmc_dm`` (stage 4) and ``table-scale`` (stage 7); ``--block`` replaces
-``table``.
+run, as the blocks ``table-lmc_dm`` (stage 4), ``table-scale`` (stage 7) and ``table-large``
+(stages 8 and 9); ``--block`` replaces ``table``. ``--stages`` runs some of them (by number).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +52,15 @@ import yaml
 from lmc_dm_recipe import HEADER, pair_row
 from markdown_blocks import add_markdown_option, publish
 from mergekit.options import MergeOptions
-from scale import build_pair, measure_learn, measure_pass
+from scale import (
+    build_pair,
+    build_streamed,
+    gib,
+    measure_learn,
+    measure_pair,
+    measure_pass,
+    measure_recipe,
+)
 
 from lmc_mergekit.passes.device import pass_device, with_default_device
 from lmc_mergekit.passes.ls_merge import LatentReport
@@ -108,6 +126,10 @@ def main() -> int:
     parser.add_argument("--zoo-steps", type=int, default=None, help="default 1500 (dry: 30)")
     parser.add_argument(
         "--dry-run", action="store_true", help="the same stages on the CPU at toy sizes"
+    )
+    parser.add_argument("--learn-steps", type=int, default=50, help="stage 8's learned steps")
+    parser.add_argument(
+        "--stages", nargs="+", type=int, default=list(range(2, 10)), help="which (2–9) to run"
     )
     add_markdown_option(parser)
     args = parser.parse_args()
@@ -220,16 +242,74 @@ def main() -> int:
         say(lines[-1])
         TABLES["scale"] = "\n".join(lines)
 
-    stage("zoo pair", zoo)
+    large: list[str] = []
+
+    def large_learned() -> None:
+        shape = "toy" if dry else "1b"
+        a, b = build_streamed(shape, args.work)
+        steps = 4 if dry else args.learn_steps
+        alignment = {"matching": "weights", "max_iterations": 1, "steps": steps}
+        alignment |= {"evaluate": False, "one_basin_check": False}
+        recipe = {
+            "merge_method": "lmc_dm",
+            "models": [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)],
+            "dtype": "bfloat16",
+            "alignment": alignment,
+        }
+        row = measure_recipe(recipe, f"large-{shape}", args.work, cuda=not dry)
+        learning = row["report"]["learning"]
+        step = learning["seconds"] / max(1, learning["steps"])
+        large.extend(
+            [
+                f"{shape}-shape pair (random bf16): `lmc_dm`, 1 weight-matching round, "
+                f"{steps} learned steps, on {device}",
+                "",
+                "| pass | whole command | learning | a learned step | GPU peak | host peak |",
+                "|---|---|---|---|---|---|",
+                f"| lmc_dm + {steps} learned steps | {row['seconds']:.0f} s | "
+                f"{learning['seconds']:.0f} s | {step:.2f} s | "
+                f"{gib(row.get('gpu_peak', 0))} | {gib(row['rss'])} |",
+                "",
+            ]
+        )
+        say("\n" + "\n".join(large[-6:]))
+
+    def large_pair() -> None:
+        shm = Path("/dev/shm")
+        room = shm.is_dir() and shutil.disk_usage(shm).free > 80 * 2**30
+        work = shm / "gpu-check" if room and not dry else args.work
+        shape = "toy" if dry else "7b"
+        namespace = argparse.Namespace(
+            shape=shape, work=work, memory_limit=None, rounds=1, cuda=not dry, markdown=None
+        )
+        lines = measure_pair(namespace)
+        large.extend(lines)
+        TABLES["large"] = "\n".join(large)
+        if work != args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+    stages = set(args.stages)
+    if stages & {3, 4, 5, 6}:
+        stage("zoo pair", zoo)
     if pair:
-        stage("default device", default_device)
-        stage("lmc_dm learned", learned)
-        stage("torchrun", launcher)
-        stage("ls_merge", latent)
-    if dry:
-        say("\n(scale rows: not in a dry run)")
-    else:
-        stage("scale rows", scale_rows)
+        for number, name, fn in (
+            (3, "default device", default_device),
+            (4, "lmc_dm learned", learned),
+            (5, "torchrun", launcher),
+            (6, "ls_merge", latent),
+        ):
+            if number in stages:
+                stage(name, fn)
+    if 7 in stages:
+        if dry:
+            say("\n(scale rows: not in a dry run)")
+        else:
+            stage("scale rows", scale_rows)
+    if 8 in stages:
+        stage("1B-shape pair, learned", large_learned)
+        TABLES["large"] = "\n".join(large)
+    if 9 in stages:
+        stage("7B-shape pair beside linear", large_pair)
     if FAILED:
         say(f"\nfailed: {', '.join(FAILED)}")
     for suffix, body in TABLES.items():

@@ -67,7 +67,7 @@ def measure(a: Path, b: Path, keep_tie: bool) -> dict:
     found = {
         kind: match_pair(
             kind, views[0], views[1], config, keep_tie, False, "cpu", runner, calibration
-        )
+        )[:2]
         for kind in KINDS
     }
     scorer.score("kept", None)

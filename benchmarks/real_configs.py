@@ -21,8 +21,14 @@ included:
 - ``lmc_dm``: ``steps: 0`` (``matching: weights``, capped at ``--rounds``, both inputs written and
   self-checked, mergekit's merge) with evaluation (the loss along the raw and the matched path
   on ``--points`` λ values and the merged model's loss, ``--eval-sequences`` test sequences);
-- ``learn``: the same with one learned-matching step (the recipe's default batch), no
-  evaluation;
+- ``self-merge``: ``lmc_dm`` of the first checkpoint and its scramble (``lmc-mergekit
+  scramble``: a random symmetry, as a held-out model's check scrambles it), the recipe's
+  defaults but ``steps: 0`` (``matching: auto``, its rounds to convergence) and
+  ``one_basin_check: false`` (random weights and their scramble both score a uniform guess,
+  so the check would keep them as they are, where a trained model's scramble is matched),
+  with the same evaluation;
+- ``learn``: the same as ``lmc_dm`` with one learned-matching step (the recipe's default
+  batch), no evaluation;
 - ``subclone``: ``subclone_compensate`` of the first checkpoint to the next size down of the
   family through ``target_config`` (compensated; post-norm families through their
   post-norms), no evaluation;
@@ -52,7 +58,7 @@ from markdown_blocks import add_markdown_option, publish
 from scale import gib, run_measured
 
 HERE = Path(__file__).resolve().parent
-PASSES = ("lmc_dm", "learn", "subclone", "ls_merge")
+PASSES = ("lmc_dm", "self-merge", "learn", "subclone", "ls_merge")
 #: Tokens of the benchmark's tokenizer (the embedding keeps the real vocabulary).
 TOKENIZER_VOCAB = 4096
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -404,10 +410,16 @@ def recipe(kind: str, folders: list[Path], name: str, args) -> dict:
     matching = {"matching": "weights", "one_basin_check": False}
     if args.rounds:
         matching["max_iterations"] = args.rounds
+    evaluation = {"eval_sequences": args.eval_sequences, "points": args.points}
     if kind == "lmc_dm":
-        evaluation = {"eval_sequences": args.eval_sequences, "points": args.points}
         alignment = {"steps": 0, **evaluation, **matching}
         return {"merge_method": "lmc_dm", "models": both, "alignment": alignment}
+    if kind == "self-merge":
+        pair = [{"model": str(m), "parameters": {"weight": 0.5}} for m in scrambled(folders[0])]
+        # A random model and its scramble lie in one basin to the one-basin check (both score
+        # a uniform guess): a trained model and its scramble do not, so matching is kept.
+        alignment = {"steps": 0, "one_basin_check": False, **evaluation}
+        return {"merge_method": "lmc_dm", "models": pair, "alignment": alignment}
     if kind == "learn":
         alignment = {"steps": 1, "evaluate": False, **matching}
         return {"merge_method": "lmc_dm", "models": both, "alignment": alignment}
@@ -431,6 +443,16 @@ def recipe(kind: str, folders: list[Path], name: str, args) -> dict:
             "noise_floor": False,
         },
     }
+
+
+def scrambled(folder: Path) -> tuple[Path, Path]:
+    """``folder`` and its scramble beside it (made once by ``lmc-mergekit scramble``)."""
+    copy = folder.parent / f"{folder.name}-scrambled"
+    if not (copy / "config.json").is_file():
+        tool = Path(sys.executable).parent / "lmc-mergekit"
+        command = [str(tool), "scramble", str(folder), str(copy), "--overwrite"]
+        subprocess.run(command, check=True, capture_output=True)
+    return folder, copy
 
 
 def autoencoder_for(folder: Path, args) -> Path:
@@ -513,13 +535,17 @@ def measure(kind: str, folders: list[Path], name: str, args) -> dict:
     out = run / "out"
     dtypes, _ = safetensors_facts(out)
     row.update(seconds=seconds, rss=rss, dtype="/".join(sorted(dtypes)), tied=tied(out))
-    if kind in ("lmc_dm", "learn"):
+    if kind in ("lmc_dm", "self-merge", "learn"):
         report = json.loads((out / "lmc_report.json").read_text())
         match = report["matching"][0]
         rounds = match.get("iterations")
         row["detail"] = (
             f"{rounds} rounds of {match['seconds'] / rounds:.0f} s" if rounds else match["matching"]
         )
+        stages = ", ".join(f"{k} {v:.0f} s" for k, v in report["seconds"].items())
+        row["detail"] += f"; {stages}"
+        if "stopped" in match:
+            row["detail"] += f"; stopped: {match['stopped']}"
     if not args.keep:
         shutil.rmtree(run, ignore_errors=True)
     return row

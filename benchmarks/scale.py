@@ -103,6 +103,14 @@ PAIR_SHAPES = {
         "num_key_value_heads": 4,
         "intermediate_size": 2816,
     },
+    # gpu_check.py's dry run: every stage of the large rows, at a toy size.
+    "toy": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 172,
+    },
 }
 VOCAB = 4096
 SEQ_LEN = 128
@@ -238,24 +246,33 @@ def measure_pass(kind: str, a: Path, b: Path, fp32: int, work: Path, args) -> di
     """One pass through the pipeline of ``lmc-mergekit-yaml`` in a fresh process with a fresh
     cache: the pre-merge pass first (its peak is read when it ends), then the whole recipe
     (mergekit's merge of the prepared inputs; the pass is reused from the cache)."""
-    run = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
-    path = run / "recipe.yml"
-    path.write_text(yaml.safe_dump(recipe(kind, a, b, args)))
-    command = [sys.executable, __file__, "pass-worker", str(path), str(run)]
-    seconds, rss, output = run_measured(command + (["--cuda"] if args.cuda else []))
-    row = json.loads(output.strip().splitlines()[-1])
-    row.update(seconds=seconds, rss=rss, ratio=rss / fp32, pass_ratio=row["pass_rss"] / fp32)
+    row = measure_recipe(recipe(kind, a, b, args), kind, work, args.cuda)
+    row.update(ratio=row["rss"] / fp32, pass_ratio=row["pass_rss"] / fp32)
     row["work_ratio"] = (row["pass_rss"] - row.get("base_rss", 0)) / fp32
     if kind == "lmc_dm":
-        report = json.loads((run / "out" / "lmc_report.json").read_text())
-        match = report["matching"][0]
+        match = row["report"]["matching"][0]
         row["rounds"] = match["iterations"]
         row["per_round"] = match["seconds"] / match["iterations"]
-        row["write_check"] = report["seconds"].get("writing_and_self_check")
+        row["write_check"] = row["report"]["seconds"].get("writing_and_self_check")
     if kind == "activations":
-        report = json.loads((run / "out" / "lmc_report.json").read_text())
-        row["matching_seconds"] = report["matching"][0]["seconds"]
-    shutil.rmtree(run / "cache", ignore_errors=True)
+        row["matching_seconds"] = row["report"]["matching"][0]["seconds"]
+    return row
+
+
+def measure_recipe(recipe: dict, name: str, work: Path, cuda: bool = False) -> dict:
+    """``recipe`` run through ``lmc-mergekit-yaml``'s pipeline in a fresh process with a fresh
+    cache under ``work`` (see :func:`pass_worker`): the pass's seconds and peak RSS, the whole
+    command's, the GPU's peak (``cuda``) and the plugin's report (None for another method)."""
+    run = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
+    path = run / "recipe.yml"
+    path.write_text(yaml.safe_dump(recipe))
+    command = [sys.executable, __file__, "pass-worker", str(path), str(run)]
+    seconds, rss, output = run_measured(command + (["--cuda"] if cuda else []))
+    row = json.loads(output.strip().splitlines()[-1])
+    reports = list((run / "out").glob("*_report.json"))
+    row.update(seconds=seconds, rss=rss)
+    row["report"] = json.loads(reports[0].read_text()) if reports else None
+    shutil.rmtree(run, ignore_errors=True)  # the outputs: the disk holds one at a time
     return row
 
 
@@ -408,9 +425,10 @@ class MemoryCgroup:
         self.path.rmdir()
 
 
-def sampled_run(command: list[str], cgroup: MemoryCgroup | None) -> dict:
+def sampled_run(command: list[str], cgroup: MemoryCgroup | None, gpu: bool = False) -> dict:
     """Run ``command``; its seconds, exit code, ``wait4`` peak RSS and, sampled every 0.2 s
-    over its process tree, the peaks of anonymous memory and of mapped file pages."""
+    over its process tree, the peaks of anonymous memory and of mapped file pages (and with
+    ``gpu``, of the GPU memory in use, read from ``nvidia-smi`` about once a second)."""
     import threading
 
     started = time.perf_counter()
@@ -418,10 +436,14 @@ def sampled_run(command: list[str], cgroup: MemoryCgroup | None) -> dict:
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=preexec
     )
-    peaks = {"anon": 0, "file": 0}
+    peaks = {"anon": 0, "file": 0, "gpu": 0}
 
     def sample() -> None:
+        ticks = 0
         while process.poll() is None:
+            ticks += 1
+            if gpu and ticks % 5 == 1:
+                peaks["gpu"] = max(peaks["gpu"], _gpu_memory_used())
             anon = file = 0
             for pid in [process.pid, *_descendants(process.pid)]:
                 try:
@@ -450,6 +472,16 @@ def sampled_run(command: list[str], cgroup: MemoryCgroup | None) -> dict:
     }
 
 
+def _gpu_memory_used() -> int:
+    """Bytes of GPU memory in use on the first GPU (``nvidia-smi``; 0 where it cannot tell)."""
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    try:
+        text = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+        return int(text.split()[0]) * 2**20
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
 def _descendants(pid: int) -> list[int]:
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -458,8 +490,9 @@ def _descendants(pid: int) -> list[int]:
     return [d for c in map(int, children) for d in (c, *_descendants(c))]
 
 
-def measure_pair(args) -> None:
-    """``linear`` and ``lmc_dm`` of the pair of ``--shape``, side by side (see the doc)."""
+def measure_pair(args) -> list[str]:
+    """``linear`` and ``lmc_dm`` of the pair of ``--shape``, side by side (see the doc); the
+    table's lines (printed as they come, and published with ``--markdown``)."""
     args.work.mkdir(parents=True, exist_ok=True)
     a, b = build_streamed(args.shape, args.work)
     size = sum(f.stat().st_size for f in a.glob("*.safetensors"))
@@ -468,11 +501,12 @@ def measure_pair(args) -> None:
     lines = [
         f"Pair of random bf16 checkpoints in the {args.shape} Llama shape ({gib(size)} each on "
         f"disk, the pair {gib(2 * size)}), {where}; machine memory "
-        f"{gib(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))}.",
+        f"{gib(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))}"
+        + ("; both on the GPU (`--cuda`)." if args.cuda else "."),
         "",
         "| method | result | seconds | peak anonymous | peak mapped file pages | peak RSS "
-        "(wait4) | cgroup peak |",
-        "|---|---|---|---|---|---|---|",
+        "(wait4) | cgroup peak | " + ("GPU peak (nvidia-smi) | " if args.cuda else "") + "stages |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""),
     ]
     print("\n".join(lines), flush=True)
     for kind in ("linear", "lmc_dm"):
@@ -487,10 +521,12 @@ def measure_pair(args) -> None:
         command += ["--lazy-unpickle"] + (
             ["--lmc-cache", str(run / "cache")] if kind != "linear" else []
         )
+        command += ["--cuda"] if args.cuda else []
         cgroup = None if limit is None else MemoryCgroup(limit)
         try:
-            row = sampled_run(command, cgroup)
+            row = sampled_run(command, cgroup, args.cuda)
             peak = None if cgroup is None else cgroup.peak()
+            stages = pair_stages(run / "out", row["seconds"]) if kind == "lmc_dm" else ""
         finally:
             shutil.rmtree(run, ignore_errors=True)  # the outputs: the disk holds one at a time
             if cgroup is not None:
@@ -498,10 +534,33 @@ def measure_pair(args) -> None:
         result = "merged" if row["code"] == 0 else f"failed ({row['code']}: {row['tail'][0][:80]})"
         lines.append(
             f"| {kind} | {result} | {row['seconds']:.0f} | {gib(row['anon'])} | "
-            f"{gib(row['file'])} | {gib(row['rss'])} | {'' if peak is None else gib(peak)} |"
+            f"{gib(row['file'])} | {gib(row['rss'])} | {'' if peak is None else gib(peak)} | "
+            + (f"{gib(row['gpu'])} | " if args.cuda else "")
+            + f"{stages} |"
         )
         print(lines[-1], flush=True)
     publish(args, "pair", "\n".join(lines))
+    return lines
+
+
+def pair_stages(out: Path, whole: float) -> str:
+    """The stage split of an ``lmc_dm`` run from its report: weight matching (its rounds and
+    why they stopped), writing and self-checking the inputs it had not written on the way,
+    and the rest (start-up, mergekit's merge of the moved pair)."""
+    path = out / "lmc_report.json"
+    if not path.is_file():
+        return ""
+    report = json.loads(path.read_text())
+    seconds, match = report["seconds"], report["matching"][0]
+    matching, writing = seconds.get("matching", 0.0), seconds.get("writing_and_self_check", 0.0)
+    written = " (the moved input written and checked in its last round)" * bool(
+        match.get("written_by_last_round")
+    )
+    return (
+        f"matching {matching:.0f} s: {match['iterations']} round(s), stopped: "
+        f"{match.get('stopped', '?')}{written}; writing and self-check {writing:.0f} s; "
+        f"start-up and mergekit's merge {whole - matching - writing:.0f} s"
+    )
 
 
 def gib(n: float) -> str:
@@ -527,6 +586,7 @@ def main() -> None:
     pair.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lmc-scale")
     pair.add_argument("--memory-limit", type=float, metavar="GIB", help="run in a cgroup")
     pair.add_argument("--rounds", type=int, help="most weight-matching rounds of lmc_dm")
+    pair.add_argument("--cuda", action="store_true", help="both merges on the GPU")
     add_markdown_option(pair)
     streamer = sub.add_parser("stream-build-worker")
     streamer.add_argument("shape", choices=list(PAIR_SHAPES))

@@ -17,6 +17,7 @@ from lmc_mergekit.matching.align import block_runner
 from lmc_mergekit.matching.interpolation import InterpolationObjective, autocast_dtype
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.symmetry import Transform, apply_transform
+from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES
 from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 
 
@@ -30,8 +31,9 @@ def time_step(
 ) -> dict[str, float]:
     """Median seconds of one step and this process's peak RSS (MiB). ``train``: forward,
     backward and AdamW of the first model on ``batch``; ``align``: the same for the symmetries
-    of both models (dual, every family) through the interpolated model at λ = 0.5. On a GPU
-    both run under bf16 autocast, as learned matching does there."""
+    of both models (dual, the default families; the first's scale excepted, as learned
+    matching has them) through the interpolated model at λ = 0.5. On a GPU both run under bf16
+    autocast, as learned matching does there."""
     device = torch.device(device)
     batch = batch.to(device)
     dtype = autocast_dtype("auto", device)  # learned matching's default for the device
@@ -50,13 +52,11 @@ def time_step(
         views = [open_model(f) for f in folders]
         absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
         ends = [apply_transform(view, absorb) for view in views]
-        runner = block_runner(views[0], ends[0].spec, device)
-        objective = InterpolationObjective(
-            ends,
-            [LearnedSymmetry(ends[0].spec), LearnedSymmetry(ends[0].spec)],
-            runner,
-            autocast=dtype,
-        )
+        spec = ends[0].spec
+        runner = block_runner(views[0], spec, device)
+        first = tuple(family for family in DEFAULT_FAMILIES if family != "scale")
+        symmetries = [LearnedSymmetry(spec, first), LearnedSymmetry(spec, DEFAULT_FAMILIES)]
+        objective = InterpolationObjective(ends, symmetries, runner, autocast=dtype)
         objective.symmetries.to(device)
         optimizer = torch.optim.AdamW(objective.symmetries.parameters(), lr=1e-4)
         weights = torch.tensor([0.5, 0.5], device=device)

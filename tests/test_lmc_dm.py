@@ -207,3 +207,30 @@ def test_repair_true_repairs_a_merge_of_one_basin(base_and_finetune, tmp_path):
     pair = report["pairs"][0]
     assert pair["repaired"]["endpoint_losses"] == pytest.approx(pair["raw"]["endpoint_losses"])
     assert report["merged"]["test_loss"] == pytest.approx(pair["repaired"]["losses"][1], abs=1e-4)
+
+
+def test_a_bf16_pair_is_written_on_the_way_of_its_last_round(trained_pair, tmp_path):
+    """Stored in bf16, with one weight-matching round: the reference is written on the way of
+    the round and the other model by the round that moved it (no block moved twice); the
+    report says how many rounds ran and why they stopped, and the merge evaluates as the
+    models it came from do."""
+    from test_selfcheck import bf16_copy
+
+    from lmc_mergekit.models.checkpoint import copy_tagalong_files
+
+    pair = [bf16_copy(folder, tmp_path / f"bf16-{i}") for i, folder in enumerate(trained_pair)]
+    for source, copy in zip(trained_pair, pair, strict=True):
+        copy_tagalong_files(source, copy)  # the tokenizer the evaluation reads
+    recipe = {
+        **pair_recipe(*pair, max_iterations=1, one_basin_check=False, points=3),
+        "dtype": "bfloat16",
+    }
+    out = tmp_path / "merged"
+    result = run_recipe(recipe, tmp_path, out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "lmc_report.json").read_text())
+    match = report["matching"][0]
+    assert match["iterations"] == 1 and match["written_by_last_round"]
+    assert match["stopped"] == "max_iterations (1) rounds ran"
+    pair_paths = report["pairs"][0]
+    assert pair_paths["matched"]["barrier"] < pair_paths["raw"]["barrier"]

@@ -81,9 +81,9 @@ def test_a_changed_weight_is_refused(model_dirs, tmp_path):
 def test_a_changed_vocabulary_row_is_refused_when_checked_a_slice_at_a_time(
     model_dirs, tmp_path, monkeypatch, variant, tensor, where
 ):
-    from lmc_mergekit.models import block_runner
+    from lmc_mergekit.evaluation import selfcheck
 
-    monkeypatch.setattr(block_runner, "VOCAB_ROWS", 7)  # the vocabulary in slices of 7 rows
+    monkeypatch.setattr(selfcheck, "CHECK_ROWS", 7)  # the vocabulary in slices of 7 rows
     source = model_dirs[variant]
     moved, transform = _moved(source, tmp_path)
     assert check_transformed(open_model(source), transform, moved) < 1e-5
@@ -163,3 +163,44 @@ def test_a_layout_transformers_would_not_load_is_refused(model_dirs, tmp_path):
     candidate = _copy_with(moved, tmp_path / "extra", add)
     with pytest.raises(LmcError, match=r"unexpected keys in extra.*extra_proj"):
         check_transformed(open_model(source), transform, candidate)
+
+
+def test_a_shard_that_reads_back_otherwise_is_refused(tmp_path):
+    """Written tensors are read back and compared byte for byte: one byte changed on disk
+    after writing (what a failing disk or a concurrent writer does) is caught."""
+    from lmc_mergekit.models.checkpoint import ShardWriter
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(64, 32, generator=generator).bfloat16() for i in range(3)}
+    writer = ShardWriter(tmp_path, 6000, verify=True)  # a shard per tensor
+    writer.write(tensors)
+    with writer.sink("streamed", (2, 3000), torch.bfloat16) as sink:  # straight into a shard
+        sink.write(torch.ones(6000))
+    writer.close()  # verified: every byte as written
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x01  # the lowest mantissa bit of its tensor's last value
+    shard.write_bytes(bytes(data))
+    with pytest.raises(LmcError, match=r"reads back from its shard other than it was written"):
+        writer.verify()
+
+
+def test_a_writer_handed_a_part_that_is_not_the_symmetry_publishes_nothing(model_dirs, tmp_path):
+    """The check of a checkpoint being written: one block moved by another transform than the
+    rest is refused, and nothing appears at the output."""
+    from lmc_mergekit.symmetry import apply_transform
+    from lmc_mergekit.transform_checkpoint import CheckedWriter
+
+    source = open_model(bf16_copy(model_dirs["llama_gqa_tied"], tmp_path / "bf16"))
+    right = apply_transform(source, random_transform(source.spec, 3), torch.float32)
+    wrong = apply_transform(source, random_transform(source.spec, 4), torch.float32)
+    with pytest.raises(LmcError, match="is not a symmetry of this model"):
+        with CheckedWriter(source, right.spec, tmp_path / "out", progress=False) as writer:
+            for chunk in right.row_chunks("embeddings", 16384):
+                writer.embeddings(chunk)
+            for index in range(source.spec.num_layers):
+                writer.block(index, (wrong if index == 1 else right).block(index))
+            for chunk in right.row_chunks("head", 16384):
+                writer.head(chunk)
+            writer.publish()
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

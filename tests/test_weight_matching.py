@@ -151,3 +151,97 @@ def test_assignment_on_candidates_never_loses_to_the_current_one():
     assert score == pytest.approx(_dense_optimum(similarity), rel=1e-12)
     _, from_identity = assignment.best_permutation(similarity)
     assert float(similarity.diagonal().sum()) < from_identity <= score + 1e-9
+
+
+def _bf16_pair(source, tmp_path):
+    """``source`` in bf16 and a scrambled bf16 copy of it (the shape users hold)."""
+    from test_selfcheck import bf16_copy
+
+    a = bf16_copy(source, tmp_path / "a-bf16")
+    spec = open_model(a).spec
+    transform_checkpoint(a, tmp_path / "b-bf16", random_transform(spec, seed=5), progress=False)
+    return a, tmp_path / "b-bf16"
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa_tied", "gpt_neox_partial_rotary_parallel"])
+def test_a_last_round_writes_the_checkpoints_it_moved_and_they_pass_the_check(
+    variant, model_dirs, tmp_path
+):
+    """A round known to be the last hands the parts it moved to a writer, and the first round
+    the reference's (norms absorbed): each folder published is the one transform_checkpoint
+    writes for the same transform (to a unit in the last place: both round a float32
+    computation once) and passes the self-check."""
+    from lmc_mergekit.evaluation.selfcheck import check_transformed
+    from lmc_mergekit.transform_checkpoint import CheckedWriter
+
+    a, b = _bf16_pair(model_dirs[variant], tmp_path)
+    reference, other = open_model(a), open_model(b)
+
+    def writer(view, name):
+        return lambda spec: CheckedWriter(view, spec, tmp_path / name, progress=False)
+
+    result = match_weights(
+        reference,
+        other,
+        max_iterations=1,
+        writer=writer(other, "fused-b"),
+        reference_writer=writer(reference, "fused-a"),
+    )
+    assert result.iterations == 1 and "max_iterations (1)" in result.stopped
+    assert not (tmp_path / "fused-b").exists() and not (tmp_path / "fused-a").exists()
+    absorb = Transform(reference.spec.num_layers, absorb_norms=True)
+    moves = {"a": (a, reference, absorb), "b": (b, other, result.transform)}
+    for name, pending in (("a", result.written_reference), ("b", result.written)):
+        pending.publish()
+        source, view, transform = moves[name]
+        assert check_transformed(view, transform, tmp_path / f"fused-{name}") < 1e-4
+        transform_checkpoint(source, tmp_path / f"apart-{name}", transform, progress=False)
+        fused, apart = (
+            open_model(tmp_path / f"fused-{name}"),
+            open_model(tmp_path / f"apart-{name}"),
+        )
+        parts = [(fused.embeddings(), apart.embeddings()), (fused.head(), apart.head())]
+        parts += [(fused.block(i), apart.block(i)) for i in range(fused.spec.num_layers)]
+        for x, y in parts:
+            for (field, got), (_, want) in zip(iter_tensors(x), iter_tensors(y), strict=True):
+                assert got.dtype == want.dtype
+                assert ulps_apart(got, want) <= 1, (name, field)
+
+
+def ulps_apart(stored: torch.Tensor, other: torch.Tensor) -> float:
+    from lmc_mergekit.evaluation.selfcheck import units_in_last_place
+
+    return units_in_last_place(stored, other.double())
+
+
+def test_a_float32_model_is_not_written_by_the_round(model_dirs, tmp_path):
+    """A model stored in float32 is moved in float64 to be written: the round's float32 parts
+    are not what it writes, so no writer is made."""
+    source = model_dirs["llama"]
+    scrambled = tmp_path / "scrambled"
+    transform_checkpoint(source, scrambled, random_transform(open_model(source).spec, 11))
+    made = []
+    result = match_weights(
+        open_model(source), open_model(scrambled), max_iterations=1, writer=made.append
+    )
+    assert made == [] and result.written is None
+
+
+def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs, tmp_path):
+    """Where the last round does not improve on the one before, its writer is discarded and
+    nothing is published."""
+    from lmc_mergekit.transform_checkpoint import CheckedWriter
+
+    a, b = _bf16_pair(model_dirs["llama_gqa_tied"], tmp_path)
+    other = open_model(b)
+    writers = []
+
+    def writer(spec):
+        writers.append(CheckedWriter(other, spec, tmp_path / "fused", progress=False))
+        return writers[-1]
+
+    # A scramble is undone in the first round: the second gains nothing and is not kept.
+    result = match_weights(open_model(a), other, max_iterations=2, tolerance=0.5, writer=writer)
+    assert result.iterations == 2 and "round 1's result kept" in result.stopped
+    assert len(writers) == 1 and result.written is None
+    assert not (tmp_path / "fused").exists() and not list(tmp_path.glob(".fused*"))

@@ -2,11 +2,12 @@
 
 Two checks, both before anything is kept:
 
-- **function**: the exact transform of the source (computed in float64, run in float32) must
-  compute the source's logits on a probe batch (bundled text through the model's own
-  tokenizer, or fixed random ids without one) to float32 precision, whatever the checkpoint's
-  dtype: ``max|Δlogits| / max(1, max|logits|) ≤ 1e-4``. This catches any transform that is not
-  a symmetry of the model.
+- **function**: the exact transform of the source (computed in float32, float64 for parts
+  stored in float32; see :func:`~lmc_mergekit.symmetry.actions.compute_dtype`) must compute the
+  source's logits on a probe batch (bundled text through the model's own tokenizer, or fixed
+  random ids without one) to float32 precision, whatever the checkpoint's dtype:
+  ``max|Δlogits| / max(1, max|logits|) ≤ 1e-4``. This catches any transform that is not a
+  symmetry of the model.
 - **storage**: every written tensor must be that exact transform rounded once to the written
   tensor's dtype, within a few units in the last place, and keep its source tensor's dtype; and
   ``transformers`` must load the written folder without a missing, unexpected or mis-shaped
@@ -15,15 +16,17 @@ Two checks, both before anything is kept:
   in that dtype's own units, not as a fraction of the logits (a bf16 rounding moves a real
   model's logits by about one, which hides real bugs).
 
-Models run block by block where the family allows it
-(:class:`~lmc_mergekit.models.block_runner.BlockRunner`: each block through a one-layer stock
-``transformers`` module of the written folder's config), so that one block is in memory at a
-time; the others (GPT-2 scaling attention by layer index) are loaded whole.
+Models run block by block where the family allows it (:class:`LogitsCheck`: each block through
+a one-layer stock ``transformers`` module), so that one block is in memory at a time; the others
+(GPT-2 scaling attention by layer index) are loaded whole. :func:`check_transformed` checks a
+folder written before; a checkpoint being written is checked as it is written, each exact part
+computed once (:class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,9 +35,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import CheckpointView, open_model
-from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.block_runner import BlockRunner, embed, embedded, final_logits
 from lmc_mergekit.models.checkpoint import read_config, row_slices
-from lmc_mergekit.models.view import iter_tensors, row_chunks
+from lmc_mergekit.models.view import (
+    VOCAB_ROWS,
+    Block,
+    Embeddings,
+    Head,
+    ModelSpec,
+    iter_tensors,
+    row_chunks,
+)
 from lmc_mergekit.symmetry import Transform, apply_transform
 
 #: Relative logits error allowed between two float32 computations of one function.
@@ -42,6 +53,8 @@ FUNCTION_TOLERANCE = 1e-4
 #: Units in the last place of its dtype a written tensor may differ from the exact transform.
 STORAGE_ULPS = 2
 PROBE_SHAPE = (2, 48)
+#: Vocabulary rows compared and run through the head at a time.
+CHECK_ROWS = VOCAB_ROWS
 
 
 def probe_batch(
@@ -101,7 +114,7 @@ def checkpoint_logits(
     view = open_model(folder, trust_remote_code)
     if not runs_blockwise(view):
         return load_fp32(view.folder, trust_remote_code)(input_ids).logits
-    _check_layout(folder, trust_remote_code)
+    check_layout(folder, trust_remote_code)
     return _runner(view.folder, view).logits(view, input_ids)
 
 
@@ -112,28 +125,127 @@ def check_transformed(
     """Raise unless ``candidate`` is ``source`` moved by ``transform`` (see the module
     docstring); return the function check's relative logits error."""
     written = open_model(candidate, trust_remote_code)
-    _check_layout(candidate, trust_remote_code)
+    check_layout(candidate, trust_remote_code)
     exact = apply_transform(source, transform, torch.float32)
-    stored = _StoredAsExact(exact, written)
-    ids = probe_batch(source.folder, source.spec.vocab_size)
-    if runs_blockwise(written):
-        expected = _runner(source.folder, source).logits(source, ids)
-        actual = _runner(candidate, written).logits(stored, ids)
-    else:
+    name = written.folder.name
+    if not runs_blockwise(written):
+        ids = probe_batch(source.folder, source.spec.vocab_size)
         expected = load_fp32(source.folder, trust_remote_code)(ids).logits
+        stored = _StoredAsExact(exact, written)
         actual = _whole_model(candidate, written, stored, trust_remote_code)(ids).logits
+        return raise_unless_same_function(actual, expected, source.folder.name)
+    check = LogitsCheck(source, written.spec, candidate, trust_remote_code)
+
+    def compared(read: str):
+        exact_rows = row_chunks(exact, read, CHECK_ROWS)
+        for want, got in zip(exact_rows, row_chunks(written, read, CHECK_ROWS), strict=True):
+            check_stored(read, want, got, name)
+            yield want
+
+    for chunk in compared("embeddings"):
+        check.embeddings(chunk)
+    for index in range(source.spec.num_layers):
+        want = exact.block(index)
+        check_stored(f"block {index}", want, written.block(index), name)
+        check.block(index, want, source.block(index))
+    for chunk in compared("head"):
+        check.head(chunk)
+    return check.error()
+
+
+class LogitsCheck:
+    """The function check, fed a part at a time: the logits of the source and of the exact
+    moved model on the probe batch, each model's residual stream carried through its blocks
+    by one-layer stock modules (the moved one of ``moved_folder``'s config, or the source's
+    rewritten for ``moved_spec``: what the written config.json says).
+
+    Hand in the moved embeddings' vocabulary slices in order, then the blocks in order (each
+    with the source's block), then the head's slices in order; :meth:`error` raises unless the
+    two agree to float32 precision and returns their relative difference."""
+
+    def __init__(
+        self,
+        source: CheckpointView,
+        moved_spec: ModelSpec,
+        moved_folder: Path | None = None,
+        trust_remote_code: bool = False,
+    ):
+        self.source, self.moved_spec = source, moved_spec
+        self.ids = probe_batch(source.folder, source.spec.vocab_size)
+        self._tokens, self._positions = torch.unique(self.ids, return_inverse=True)
+        cpu = torch.device("cpu")
+        self._source_runner = BlockRunner(
+            source.folder, source.adapter, source.spec, cpu, trust_remote_code
+        )
+        self._moved_runner = self._source_runner  # one set of modules where they agree
+        if moved_folder is not None or moved_spec != source.spec:
+            self._moved_runner = BlockRunner(
+                moved_folder or source.folder, source.adapter, moved_spec, cpu, trust_remote_code
+            )
+        self._source = embedded(source, self.ids)
+        self._moved: torch.Tensor | None = None
+        self._rows: list[torch.Tensor] = []  # the probe's token rows of each embeddings slice
+        self._first: Embeddings | None = None
+        self._seen = self._blocks = self._head_rows = 0
+        self._logits: list[torch.Tensor] = []
+
+    def embeddings(self, chunk: Embeddings) -> None:
+        """The next slice of the moved embeddings' vocabulary rows."""
+        start, stop = self._seen, self._seen + len(chunk.tokens)
+        inside = self._tokens[(self._tokens >= start) & (self._tokens < stop)]
+        self._rows.append(chunk.tokens[inside - start])
+        self._first, self._seen = self._first or chunk, stop
+
+    def block(self, index: int, moved: Block, source: Block) -> None:
+        """Block ``index`` of the moved model and of the source, run on their streams."""
+        if index != self._blocks or self._seen != self.source.spec.vocab_size:
+            raise LmcError(f"self-check: block {index} came out of order")
+        if self._moved is None:
+            table = replace(self._first, tokens=torch.cat(self._rows))
+            self._moved, self._rows = embed(table, self._positions, self.moved_spec), []
+        self._source = self._source_runner.run(source, self._source, index).output
+        self._moved = self._moved_runner.run(moved, self._moved, index).output
+        self._blocks += 1
+
+    def head(self, chunk: Head) -> None:
+        """The next slice of the moved head's vocabulary rows."""
+        self._logits.append(final_logits(chunk, self._moved, self.moved_spec))
+        self._head_rows += len(chunk.weight)
+
+    def error(self) -> float:
+        """Raise unless the moved model computed the source's logits (see the module
+        docstring); their relative difference."""
+        spec = self.source.spec
+        if self._blocks != spec.num_layers or self._head_rows != spec.vocab_size:
+            raise LmcError("self-check: the moved model was not handed in whole")
+        expected = torch.cat(
+            [
+                final_logits(head, self._source, spec)
+                for head in row_chunks(self.source, "head", CHECK_ROWS)
+            ],
+            dim=-1,
+        )
+        return raise_unless_same_function(
+            torch.cat(self._logits, dim=-1), expected, self.source.folder.name
+        )
+
+
+def raise_unless_same_function(actual: torch.Tensor, expected: torch.Tensor, name: str) -> float:
+    """The relative logits error of a moved model's ``actual`` logits against its source's;
+    a one-line error where it is above :data:`FUNCTION_TOLERANCE` (not a symmetry)."""
     error = relative_logits_error(actual, expected)
     if not error <= FUNCTION_TOLERANCE:
         raise LmcError(
-            f"self-check failed: the transform of {source.folder.name} computes logits "
-            f"{error:.3e} (relative) away from the source's, above {FUNCTION_TOLERANCE:.0e}: it "
-            "is not a symmetry of this model; nothing was written"
+            f"self-check failed: the transform of {name} computes logits {error:.3e} "
+            f"(relative) away from the source's, above {FUNCTION_TOLERANCE:.0e}: it is not a "
+            "symmetry of this model; nothing was written"
         )
     return error
 
 
 class _StoredAsExact:
-    """The exact view, part by part, each part checked against the written one first."""
+    """The exact view, part by part, each part checked against the written one first (the
+    whole-model check of families that cannot run block by block)."""
 
     def __init__(self, exact, written):
         self.exact, self.written = exact, written
@@ -147,13 +259,6 @@ class _StoredAsExact:
 
     def head(self):
         return self._checked("head", self.exact.head(), self.written.head())
-
-    def row_chunks(self, read: str, rows: int):
-        """The exact part ``read`` a slice of vocabulary rows at a time, each slice checked
-        against the written one first (:func:`~lmc_mergekit.models.view.row_chunks`)."""
-        exact, written = row_chunks(self.exact, read, rows), row_chunks(self.written, read, rows)
-        for want, got in zip(exact, written, strict=True):
-            yield self._checked(read, want, got)
 
     def _checked(self, where: str, exact, written):
         check_stored(where, exact, written, self.written.folder.name)
@@ -213,7 +318,7 @@ def _runner(folder: Path, view) -> BlockRunner:
     return BlockRunner(folder, view.adapter, view.spec, torch.device("cpu"))
 
 
-def _check_layout(folder: Path, trust_remote_code: bool) -> None:
+def check_layout(folder: Path, trust_remote_code: bool) -> None:
     problem = layout_problem(folder, trust_remote_code)
     if problem is not None:
         raise LmcError(f"self-check failed: {problem}; nothing was written")

@@ -24,7 +24,7 @@ import torch
 from lmc_mergekit.matching.activation_matching import match_activations
 from lmc_mergekit.matching.learned_matching import LearningConfig, LearningResult, learn_symmetries
 from lmc_mergekit.matching.starts import CLEAR_MARGIN, SCORE_SEQUENCES, StartScorer
-from lmc_mergekit.matching.weight_matching import match_weights
+from lmc_mergekit.matching.weight_matching import PartsWriter, match_weights
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import InMemoryView, ModelSpec, ModelView, materialize
@@ -96,6 +96,15 @@ class Alignment:
     #: first, or, without text, matching moved no unit): they already sit in one basin (a base
     #: and its fine-tunes) and are merged as they are; nothing is learned.
     one_basin: bool = False
+    #: By model index, the writer that weight matching's last round handed that model's
+    #: final parts to (:func:`align`'s ``writers``): to publish instead of writing it again.
+    written: dict[int, PartsWriter] = field(default_factory=dict)
+
+    def discard_unwritten(self) -> None:
+        """Discard every writer whose model's final transform is not the one it took."""
+        for index in list(self.written):
+            if self.final[index] is not self.matched[index]:
+                self.written.pop(index).discard()
 
 
 def align(
@@ -109,10 +118,14 @@ def align(
     progress: bool = True,
     trust_remote_code: bool = False,
     on_checkpoint: Callable[[int, list[Transform]], None] | None = None,
+    writers: Callable[[int, ModelSpec], PartsWriter] | None = None,
 ) -> Alignment:
     """Align ``views`` (one architecture and shape; the first is the reference). Activation
     matching reads and learned matching (``config.learning``) trains on ``calibration`` token ids
-    ``(n, L)``."""
+    ``(n, L)``. Without learning, ``writers(index, moved spec)`` makes the writer weight
+    matching's last round hands model ``index``'s moved parts to (see
+    :func:`~lmc_mergekit.matching.weight_matching.match_weights`); the result's ``written``
+    holds those whose transform is final."""
     processes = processes or Processes()
     started = time.perf_counter()
     runner = raw_runner = None
@@ -128,18 +141,34 @@ def align(
             )
     keep = state_dir if config.learning is not None else None
     runners = (runner, raw_runner)
+    written: dict[int, PartsWriter] = {}  # filled in the main process only: never sent
+    if config.learning is not None:
+        writers = None  # learning moves every model again: nothing of matching's is final
     # Once, in the main process (the only one that keeps it); every process gets its result.
     matched, matching = processes.from_main(
-        lambda: match_all(views, config, state_dir, keep, progress, device, runners, calibration)
+        lambda: match_all(
+            views,
+            config,
+            state_dir,
+            keep,
+            progress,
+            device,
+            runners,
+            calibration,
+            writers,
+            written,
+        )
     )
     release_freed_memory()  # matching's working set: not kept beside what comes next
-    alignment = Alignment(matched, matched, matching)
+    alignment = Alignment(matched, matched, matching, written=written)
     alignment.seconds["matching"] = time.perf_counter() - started
     if config.matches and all(record["matching"] == "kept" for record in matching):
         # The models as they are (untied alike where their ties differ, so that every head
         # survives the merge): what mergekit's own linear merge would average.
         untie = len({view.spec.tied_embeddings for view in views}) > 1
         kept = [Transform(view.spec.num_layers, absorb_norms=untie) for view in views]
+        alignment.final = kept
+        alignment.discard_unwritten()
         return Alignment(kept, kept, matching, seconds=alignment.seconds, one_basin=True)
     if config.learning is None:
         return alignment
@@ -170,6 +199,8 @@ def match_all(
     device: torch.device | str = "cpu",
     runners: tuple[BlockRunner | None, BlockRunner | None] = (None, None),
     calibration: torch.Tensor | None = None,
+    writers: Callable[[int, ModelSpec], PartsWriter] | None = None,
+    written: dict[int, PartsWriter] | None = None,
 ) -> tuple[list[Transform], list[dict]]:
     """Every model's transform onto the first (the first's absorbs its norms) and a record per
     other model; a transform saved in ``reuse_from`` is reused, a new one saved in ``keep_in``
@@ -178,10 +209,12 @@ def match_all(
     with absorbed norms; the second runs the models as they are). With calibration
     text each model keeps the start :mod:`~lmc_mergekit.matching.starts` chooses (its record
     says which and why: ``matching`` is ``kept`` for a model left as it is); without, the
-    matching, or ``kept`` where it moved no unit."""
+    matching, or ``kept`` where it moved no unit. ``writers`` and ``written``: see
+    :func:`align` (a writer is kept in ``written`` only where its transform is the one kept)."""
     absorb = config.matches
     keep_tie = absorb and config.keep_tie
     runner, raw_runner = runners
+    written = {} if written is None else written
     reference = Transform(views[0].spec.num_layers, absorb_norms=absorb, keep_tie=keep_tie)
     transforms, records = [reference], []
     for index, view in enumerate(views[1:], start=1):
@@ -196,11 +229,31 @@ def match_all(
             )
             continue
         kinds = ("weights", "activations") if config.matching == "both" else (config.matching,)
+        pending: dict[int, PartsWriter] = {}  # by the id of the transform its writer took
 
-        def run(kind, view=view):
-            return match_pair(
-                kind, views[0], view, config, keep_tie, progress, device, runner, calibration
+        def run(kind, view=view, index=index, pending=pending):
+            make = None if writers is None else lambda spec: writers(index, spec)
+            # The reference is written once, on the way of its first match.
+            first = writers is not None and 0 not in written
+            make_reference = (lambda spec: writers(0, spec)) if first else None
+            transform, record, writer, reference_writer = match_pair(
+                kind,
+                views[0],
+                view,
+                config,
+                keep_tie,
+                progress,
+                device,
+                runner,
+                calibration,
+                make,
+                make_reference,
             )
+            if writer is not None:
+                pending[id(transform)] = writer
+            if reference_writer is not None:
+                written[0] = reference_writer
+            return transform, record
 
         scored = config.one_basin_check or len(kinds) > 1
         if scored and config.score and calibration is not None and raw_runner is not None:
@@ -213,6 +266,11 @@ def match_all(
             if config.one_basin_check and not transform.units_moved():
                 transform, record = reference, {**record, "matching": "kept"}
         record["units_moved"] = transform.units_moved()
+        for key, writer in pending.items():
+            if key == id(transform):
+                written[index] = writer
+            else:
+                writer.discard()
         transforms.append(transform)
         if keep_in is not None:
             keep_in.mkdir(parents=True, exist_ok=True)
@@ -297,15 +355,19 @@ def match_pair(
     device: torch.device | str,
     runner: BlockRunner | None,
     calibration: torch.Tensor | None,
-) -> tuple[Transform, dict]:
-    """``view``'s transform onto ``reference`` by weight or activation matching, and its
-    record."""
+    writer: Callable[[ModelSpec], PartsWriter] | None = None,
+    reference_writer: Callable[[ModelSpec], PartsWriter] | None = None,
+) -> tuple[Transform, dict, PartsWriter | None, PartsWriter | None]:
+    """``view``'s transform onto ``reference`` by weight or activation matching, its record,
+    and the writers weight matching handed ``view``'s moved parts and ``reference``'s to
+    (``writer``, ``reference_writer``: see
+    :func:`~lmc_mergekit.matching.weight_matching.match_weights`), where it did."""
     if kind == "activations":
         sequences = calibration[: config.activation_sequences]
         found = match_activations(
             reference, view, runner, sequences, keep_tie=keep_tie, progress=progress
         )
-        return found.transform, found.record()
+        return found.transform, found.record(), None, None
     result = match_weights(
         reference,
         view,
@@ -313,14 +375,20 @@ def match_pair(
         device=device,
         progress=progress,
         keep_tie=keep_tie,
+        writer=writer,
+        reference_writer=reference_writer,
     )
-    return result.transform, {
+    record = {
         "matching": "weights",
         "iterations": result.iterations,
+        "stopped": result.stopped,
         "layers_solved": list(result.solved),
         "seconds": round(result.seconds, 3),
         "relative_distance": {"before": result.distances[0], "after": result.distance},
     }
+    if result.written is not None:
+        record["written_by_last_round"] = True
+    return result.transform, record, result.written, result.written_reference
 
 
 def moved(views: list[ModelView], transforms: list[Transform]) -> list[InMemoryView]:

@@ -33,15 +33,31 @@ def best_permutation(
     """
     n = similarity.shape[0]
     if n <= CANDIDATES:  # every edge is a candidate: the dense solver, quicker at this size
-        return dense_permutation(similarity)
+        return dense_permutation(similarity.double())
     current = torch.arange(n) if current is None else current
     top = similarity.topk(min(n, CANDIDATES), dim=1).indices
-    edges = torch.cat([top, current[:, None]], dim=1) + n * torch.arange(n)[:, None]
-    by_column = similarity.topk(min(n, CANDIDATES), dim=0).indices * n + torch.arange(n)
-    # An edge found both ways counts once.
+    by_column = similarity.topk(min(n, CANDIDATES), dim=0).indices.T
+    rows, cols = _candidate_edges(top, by_column, current)
+    perm = _solve(n, rows, cols, similarity[rows, cols].double())
+    return perm, float(similarity[torch.arange(n), perm].sum())
+
+
+def _candidate_edges(
+    top: torch.Tensor, by_column: torch.Tensor, current: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate graph's edges (rows, columns), each once: row ``i``'s columns
+    ``top[i]``, column ``j``'s rows ``by_column[j]``, and ``(i, current[i])``."""
+    n = len(top)
+    index = torch.arange(n, device=top.device)
+    edges = torch.cat([top, current[:, None]], dim=1) + n * index[:, None]
+    by_column = by_column * n + index[:, None]
     edges = torch.unique(torch.cat([edges.reshape(-1), by_column.reshape(-1)]))
-    rows, cols = edges // n, edges % n
-    values = similarity[rows, cols].double()
+    return edges // n, edges % n
+
+
+def _solve(n: int, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The permutation of the best full assignment on the edges (``values``: how much each
+    is worth) by scipy's sparse solver."""
     # The solver gets whole-number costs from 1 to 2³⁰+1 (every full assignment has n edges, so
     # the shift does not change which one is best, and no cost is 0, which would read as no
     # edge): on float weights LAPJVsp can loop forever (scipy issue 17269; met here on trained
@@ -52,7 +68,7 @@ def best_permutation(
     solved_rows, solved_cols = min_weight_full_bipartite_matching(graph)
     perm = torch.empty(n, dtype=torch.long)
     perm[torch.as_tensor(solved_rows).long()] = torch.as_tensor(solved_cols).long()
-    return perm, float(similarity[torch.arange(n), perm].sum())
+    return perm
 
 
 def dense_permutation(similarity: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -90,14 +106,32 @@ def head_similarity(a: Attention, b: Attention, spec: ModelSpec) -> torch.Tensor
 
 
 def neuron_similarity(a: MLP, b: MLP) -> torch.Tensor:
-    """Inner products of every hidden neuron of A with every one of B over all its weights."""
-    sim = a.up @ b.up.T + a.down.T @ b.down
+    """Inner products of every hidden neuron of A with every one of B over all its weights
+    (summed in place: one ``dff × dff`` matrix)."""
+    sim = a.up @ b.up.T
+    sim.addmm_(a.down.T, b.down)
     if a.gate is not None:
-        sim = sim + a.gate @ b.gate.T
+        sim.addmm_(a.gate, b.gate.T)
     for bias_a, bias_b in ((a.up_bias, b.up_bias), (a.gate_bias, b.gate_bias)):
         if bias_a is not None:
-            sim = sim + bias_a[:, None] * bias_b[None, :]
+            sim.addmm_(bias_a[:, None], bias_b[None, :])
     return sim
+
+
+def similarity_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the similarities that only rank heads and neurons are multiplied in: bf16
+    where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX: twice
+    float32's speed, and a ranking needs no more digits), float32 elsewhere (a CPU without
+    them emulates bf16 more slowly than it multiplies float32)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    probes = [getattr(torch.cpu, name, None) for name in CPU_BF16_PROBES]
+    native = any(probe is not None and probe() for probe in probes)
+    return torch.bfloat16 if native else torch.float32
+
+
+#: ``torch.cpu``'s probes of native bf16 products (private: absent ones count as no).
+CPU_BF16_PROBES = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
 
 
 def circuit_blocks(attn: Attention, spec: ModelSpec, kind: str) -> tuple[torch.Tensor, ...]:
@@ -141,10 +175,15 @@ def _query_view(attn: Attention, spec: ModelSpec, kind: str) -> tuple[torch.Tens
 
 
 def _circuit_cosine(xa, ya, xb, yb) -> torch.Tensor:
-    # <Xa_iᵀ·Ya_i, Xb_jᵀ·Yb_j>_F = Σ_ab (Xa_i·Xb_jᵀ)_ab·(Ya_i·Yb_jᵀ)_ab: only dh×dh products.
-    inner = (torch.einsum("ian,jbn->ijab", xa, xb) * torch.einsum("ian,jbn->ijab", ya, yb)).sum(
-        (-1, -2)
-    )
-    norm_a = ((xa @ xa.mT) * (ya @ ya.mT)).sum((-1, -2)).clamp_min(1e-300).sqrt()
-    norm_b = ((xb @ xb.mT) * (yb @ yb.mT)).sum((-1, -2)).clamp_min(1e-300).sqrt()
-    return inner / (norm_a[:, None] * norm_b[None, :])
+    # <Xa_iᵀ·Ya_i, Xb_jᵀ·Yb_j>_F = Σ_ab (Xa_i·Xb_jᵀ)_ab·(Ya_i·Yb_jᵀ)_ab: only dh×dh products,
+    # made in the inputs' dtype and summed in float32 at least.
+    wide = torch.promote_types(xa.dtype, torch.float32)
+
+    def product(x, y, spec: str) -> torch.Tensor:
+        return torch.einsum(spec, x, y).to(wide)
+
+    inner = (product(xa, xb, "ian,jbn->ijab") * product(ya, yb, "ian,jbn->ijab")).sum((-1, -2))
+    tiny = torch.finfo(wide).tiny
+    norm_a = (product(xa, xa, "ian,ibn->iab") * product(ya, ya, "ian,ibn->iab")).sum((-1, -2))
+    norm_b = (product(xb, xb, "ian,ibn->iab") * product(yb, yb, "ian,ibn->iab")).sum((-1, -2))
+    return inner / (norm_a.clamp_min(tiny).sqrt()[:, None] * norm_b.clamp_min(tiny).sqrt()[None, :])

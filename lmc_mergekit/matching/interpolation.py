@@ -3,27 +3,39 @@
 The endpoints ``Θ_i`` are frozen (already moved by weight matching, norms absorbed); ``π_i`` is
 the continuous symmetry :class:`LearnedSymmetry` ``i`` stands for. The mix is run part by part:
 the embeddings, each block, the head. Each part is one module holding that part of every
-endpoint as frozen parameters; its forward rebuilds the endpoints' parts, moves each by its
-symmetry with the same differentiable actions that write checkpoints, mixes them with weights
-``λ`` and runs the result (a block through a one-layer stock ``transformers`` module,
-:class:`~lmc_mergekit.models.block_runner.BlockRunner`). Each block runs under activation
-checkpointing, so a step keeps the residual stream between blocks, not a mixed model: memory
-is the endpoints plus one block's work. The precision is a parameter (:func:`autocast_dtype`),
-whatever the device: in float32 the endpoints are held in their checkpoint's dtype (a bf16
-checkpoint's values exactly, in half the memory of float32) and a part runs in float32; under
-bf16 autocast (the default on a GPU, and the CPU twin the tests run) they are held in bf16 and
-autocast casts. The embeddings move only the rows the batch uses, never a whole vocabulary.
+endpoint as frozen parameters. The embeddings and the head are moved with the same
+differentiable actions that write checkpoints and mixed with weights ``λ``; a block runs
+through a one-layer stock ``transformers`` module
+(:meth:`~lmc_mergekit.models.block_runner.BlockRunner.mixed_output`) whose projections each run
+once per endpoint on its held weights, the symmetry moving what they read and write
+(:class:`~lmc_mergekit.symmetry.actions.ActivationAction`: ``proj(x·Qᵀ)`` for a reader of the
+stream, per-head maps on queries, keys, values), and add up with weights ``λ``: by linearity
+the block of the mixed moved weights, at the cost of the endpoints' projections on the
+batch's tokens rather than of moving ``d × d`` products of every weight. The first endpoint's
+rotation and per-head maps are moved onto the others (the loss is invariant under one symmetry
+of the whole mix), so its projections run as they are. A step makes each symmetry's rotation
+and maps once, all maps inverted in one batched call.
+
+A block keeps its work for the backward while the kept work fits in the endpoints' own bytes
+(and on a GPU in its free memory, :class:`StepMemory`); the others run under activation
+checkpointing, keeping only their input and recomputing their work in the backward, one block
+at a time. The precision is a parameter (:func:`autocast_dtype`), whatever the device: in
+float32 the endpoints are held in their checkpoint's dtype (a bf16 checkpoint's values exactly,
+in half the memory of float32) and a part runs in float32; under bf16 autocast (the default on
+a GPU, and the CPU twin the tests run) they are held in bf16 and autocast casts. The
+embeddings move only the rows the batch uses, never a whole vocabulary.
 
 Under several processes every part module is sharded with torch's FSDP (``fully_shard``): each
-process holds a ``1/world_size`` slice of every endpoint, and a part's forward (and its
-recomputation in the backward) gathers that part's endpoints, and only that part's, for the
-time it runs.
+process holds a ``1/world_size`` slice of every endpoint, every block recomputes its work, and
+a part's forward (and its recomputation in the backward) gathers that part's endpoints, and
+only that part's, for the time it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal, NamedTuple
 
 import torch
@@ -41,16 +53,17 @@ from lmc_mergekit.models.block_runner import (
 )
 from lmc_mergekit.models.view import (
     Head,
+    ModelSpec,
     ModelView,
     iter_tensors,
     map_named_tensors,
-    map_tensors,
 )
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.memory import trim_heap
 from lmc_mergekit.symmetry.actions import (
+    activation_actions,
+    apply_transform,
     head_through_tokens,
-    transform_block,
     transform_embeddings,
     transform_head,
 )
@@ -76,13 +89,130 @@ def endpoint_dtype(autocast: torch.dtype | None, parts: list | None = None) -> t
     memory of float32; they run in float32), float32 if they have several."""
     if autocast is not None:
         return autocast
-    dtypes = {t.dtype for part in parts or [] for _, t in iter_tensors(part)}
+    dtypes = {t.dtype for part in parts or [] for _, t in _named(part)}
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What one step of learned matching holds in a process, in bytes (estimates: see
+    :func:`step_memory`)."""
+
+    #: Every endpoint as held, whole, and the largest of their parts (a block or the
+    #: embeddings of every endpoint), which a process gathers whole while it runs under FSDP.
+    endpoints: int
+    part: int
+    processes: int
+    #: The residual stream kept at every block's input; the learned symmetries with their
+    #: gradients, AdamW's moments and the maps a step makes of them.
+    stream: int
+    symmetries: int
+    #: One block's work: what its mix keeps for the backward.
+    block: int
+    #: The loss's logits pieces (one at a time, with their copies and gradient).
+    logits: int
+    layers: int
+
+    def held(self, processes: int | None = None) -> int:
+        """The endpoints one of ``processes`` (this step's by default) holds: all of them,
+        or under several its share and a part gathered whole."""
+        count = processes or self.processes
+        return self.endpoints if count == 1 else self.endpoints // count + self.part
+
+    def need(self, kept: int, processes: int | None = None) -> int:
+        """The step's bytes in one of ``processes`` when ``kept`` blocks keep their work for
+        the backward (the others recompute it there, one at a time)."""
+        working = self.stream + self.symmetries + self.logits + max(kept, 1) * self.block
+        return self.held(processes) + working
+
+    def kept_blocks(self, free: int | None = None) -> int:
+        """How many blocks keep their work rather than recompute it: as many as fit in the
+        endpoints' own bytes (a plain training step holds four copies of its model besides
+        its activations: a step of two endpoints stays below that), and in ``free`` bytes."""
+        kept = min(self.layers, self.endpoints // self.processes // max(self.block, 1))
+        while free is not None and kept and self.need(kept) > free:
+            kept -= 1
+        return kept
+
+
+def step_memory(
+    spec: ModelSpec,
+    endpoints: int,
+    itemsize: int,
+    tokens: int,
+    seq_len: int,
+    *,
+    processes: int = 1,
+    scores: bool = False,
+    reads_tokens: bool = False,
+    casts: bool = False,
+) -> StepMemory:
+    """The bytes of one learned-matching step on ``endpoints`` models of ``spec`` held in
+    ``itemsize``-byte floats, on ``tokens`` tokens in sequences of ``seq_len`` per process,
+    the endpoints sharded over ``processes``. ``scores``: the attention keeps its
+    probabilities (eager); ``reads_tokens``: tied heads read through their tokens; ``casts``:
+    16-bit endpoints run in float32, so that a block keeping its work keeps their float32
+    copies too.
+
+    One block's work is bounded per token by float32 vectors: 12 of the stream's width, 1 of
+    the queries', keys' and values' together and 2 of the MLP's for the mixed block, 8, 1
+    and 1 more for each moved endpoint (its projections' moved inputs and outputs; the first
+    endpoint's run as held), and 2 per head and key where the attention keeps its
+    probabilities. The tests measure what every family keeps below it."""
+    d, layers = spec.hidden_size, spec.num_layers
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    mlp = spec.intermediate_size * (2 if spec.gated_mlp else 1)
+    moved = endpoints - 1
+    floats = (12 + 8 * moved) * d + (1 + moved) * qkv + (2 + moved) * mlp
+    if scores:
+        floats += 2 * spec.num_heads * seq_len
+    block = spec.num_heads * spec.head_dim * d * 2 + 2 * spec.num_kv_heads * spec.head_dim * d
+    block += (3 if spec.gated_mlp else 2) * d * spec.intermediate_size + qkv + 6 * d
+    outside = (spec.vocab_size + spec.learned_positions) * d
+    outside += d * d if reads_tokens else spec.vocab_size * d
+    return StepMemory(
+        endpoints=endpoints * (layers * block + outside) * itemsize,
+        part=endpoints * max(block, outside) * itemsize,
+        processes=processes,
+        stream=2 * 4 * (layers + 1) * tokens * d,
+        # Per endpoint: the residual rotation and its parameters, gradients and moments, and
+        # the maps the step makes of them (a few of each).
+        symmetries=endpoints * 8 * 4 * d * d,
+        block=4 * tokens * floats + (endpoints * block * 4 if casts else 0),
+        logits=3 * 4 * min(tokens, loss_tokens(spec.vocab_size)) * spec.vocab_size,
+        layers=layers,
+    )
+
+
+def device_shortfall(memory: StepMemory, free: int) -> str | None:
+    """Why a step of ``memory`` cannot run in ``free`` bytes of its GPU, with the fix (one
+    line), or None where it can (every block recomputing its work)."""
+    need = memory.need(0)
+    if need <= free:
+        return None
+    # Sharded over more processes, each holds less of the endpoints (and gathers one part).
+    count = next((n for n in range(memory.processes + 1, 1025) if memory.need(0, n) <= free), None)
+    fix = "lower alignment batch_size: the step's working set alone does not fit"
+    if count is not None:
+        fix = (
+            f"shard the endpoints over {count} GPUs (FSDP, one process each): torchrun "
+            f"--nproc_per_node {count} lmc-mergekit-yaml ..."
+        )
+    return (
+        f"learned matching needs about {_gib(need)} of GPU memory (the endpoints "
+        f"{_gib(memory.held())}, the step's working set {_gib(need - memory.held())}) but "
+        f"{_gib(free)} is free; {fix}"
+    )
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB"
 
 
 class EndpointPart(nn.Module):
     """One part (the embeddings, a block or the head) of every endpoint, as frozen parameters:
-    the unit FSDP shards and gathers."""
+    the unit FSDP shards and gathers. A part is a view part, or a block laid out for the
+    block runner (a dict of tensors)."""
 
     def __init__(self, parts: list, device: torch.device, autocast: torch.dtype | None = None):
         super().__init__()
@@ -91,16 +221,16 @@ class EndpointPart(nn.Module):
         # runs as held and autocast casts.
         self.compute_dtype = None if autocast is not None else torch.float32
         # The parts' structure, without their data, to rebuild them from the parameters.
-        self.templates = [map_tensors(part, lambda t: t.to("meta")) for part in parts]
+        self.templates = [_mapped(part, lambda _, t: t.to("meta")) for part in parts]
         for index, part in enumerate(parts):
-            for name, tensor in iter_tensors(part):
+            for name, tensor in _named(part):
                 data = tensor.to(device=device, dtype=dtype)
                 self.register_parameter(_key(index, name), nn.Parameter(data, requires_grad=False))
 
     def forward(self, compute: Callable, *inputs: torch.Tensor) -> torch.Tensor:
         """``compute(parts, *inputs)``, run while the parameters are gathered."""
         parts = [
-            map_named_tensors(template, lambda name, _, i=index: getattr(self, _key(i, name)))
+            _mapped(template, lambda name, _, i=index: getattr(self, _key(i, name)))
             for index, template in enumerate(self.templates)
         ]
         return compute(parts, *inputs)
@@ -109,7 +239,19 @@ class EndpointPart(nn.Module):
         """``parts`` in the dtype they run in (float32; as held under autocast)."""
         if self.compute_dtype is None:
             return parts
-        return [map_tensors(part, lambda t: t.to(self.compute_dtype)) for part in parts]
+        return [_mapped(part, lambda _, t: t.to(self.compute_dtype)) for part in parts]
+
+
+def _named(part) -> Iterator[tuple[str, torch.Tensor]]:
+    """A part's tensors by name (a dict's items, a view part's fields)."""
+    return iter(part.items()) if isinstance(part, dict) else iter_tensors(part)
+
+
+def _mapped(part, fn: Callable):
+    """A part with ``fn(name, tensor)`` in place of each tensor."""
+    if isinstance(part, dict):
+        return {name: fn(name, tensor) for name, tensor in part.items()}
+    return map_named_tensors(part, fn)
 
 
 def _key(index: int, name: str) -> str:
@@ -149,8 +291,16 @@ class InterpolationObjective(nn.Module):
 
         # Read and (when sharded) shard one part at a time: no process holds a whole endpoint.
         self.embeddings = part([view.embeddings() for view in endpoints])
+        # Blocks are held with their norms absorbed (the identity where matching absorbed
+        # them: their mixes move the projections' activations, which needs unit gains), laid
+        # out as the block runner's module takes them.
+        absorbed = [
+            apply_transform(view, Transform(self.spec.num_layers, absorb_norms=True))
+            for view in endpoints
+        ]
         self.blocks = nn.ModuleList(
-            part([view.block(index) for view in endpoints]) for index in range(self.spec.num_layers)
+            part([runner.lay_out(view.block(index), index) for view in absorbed])
+            for index in range(self.spec.num_layers)
         )
         # A tied endpoint's head read through its embeddings' tokens (a d × d map), not
         # held as a second vocabulary-sized matrix: in one process, where the embeddings'
@@ -164,6 +314,10 @@ class InterpolationObjective(nn.Module):
         trim_heap()
         #: The most parts held whole at once while a part ran (forward or recomputation).
         self.most_gathered = 0
+        self.processes = processes.world_size
+        #: Bytes the step may use on its device (set where they are counted: a GPU's free
+        #: memory before the endpoints came); None: the endpoints' budget alone.
+        self.free: int | None = None
 
     def parts(self) -> list[EndpointPart]:
         """The part modules, embeddings first."""
@@ -187,13 +341,24 @@ class InterpolationObjective(nn.Module):
         self.most_gathered = max(self.most_gathered, self.gathered())
 
     def _transforms(self) -> list[Transform | None]:
-        learned = iter(self.symmetries)
-        return [next(learned).transform() if learns else None for learns in self.learns]
+        """The endpoints' current symmetries, made once a step in float32 whatever autocast
+        the step runs under (their maps are inverted and composed)."""
+        with torch.autocast(self.runner.device.type, enabled=False):
+            learned = iter(self.symmetries)
+            return [next(learned).transform() if learns else None for learns in self.learns]
 
     def forward(self, weights: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of the mix with ``weights`` on ``input_ids``."""
-        spec, transforms = self.spec, self._transforms()
+        spec = self.spec
+        first = self.symmetries[0] if self.learns[0] else None
+        permutation = first is not None and "permutation" in first.families
+        transforms = _first_unrotated(self._transforms(), permutation, spec.num_layers)
         input_ids = input_ids.to(self.runner.device)
+        # Each endpoint's symmetry on the blocks' activations, every map inverted once for
+        # the step (not per block, nor again in a recomputation).
+        with torch.autocast(self.runner.device.type, enabled=False):
+            actions = activation_actions(transforms, spec)
+        floats = weights.tolist()  # scalars for the blocks' sums (one read of a GPU's)
 
         def moved(parts: list, action: Callable) -> list:
             pairs = zip(parts, transforms, strict=True)
@@ -211,10 +376,8 @@ class InterpolationObjective(nn.Module):
         def block(index: int) -> Callable:
             def run(parts: list, residual: torch.Tensor) -> torch.Tensor:
                 self._note_gathered()
-                trim_heap()  # as each loss piece does (see _summed_loss)
-                act = lambda b, t: transform_block(b, spec, t, index)  # noqa: E731
-                parts = self.blocks[index].computed(parts)
-                return self.runner.output(_mix(moved(parts, act), weights), residual, index)
+                states = self.blocks[index].computed(parts)
+                return self.runner.mixed_output(states, actions, floats, residual, index)
 
             return run
 
@@ -230,27 +393,52 @@ class InterpolationObjective(nn.Module):
                 for index, (part, probe) in enumerate(zip(parts, probes, strict=True))
             ]
             # transformers' causal-LM loss: every position predicts the next token. The logits
-            # are made a few hundred tokens at a time and made again in the backward.
+            # are made a few hundred tokens at a time and made again in the backward (but for
+            # one piece in one process: its logits live through the forward anyway).
             states, targets = residual[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten()
+            spans = _spans(len(targets), loss_tokens(len(readers[0].weight)))
+            summed = _summed_loss
+            if len(spans) > 1 or self.processes > 1:
+                summed = partial(checkpoint, _summed_loss, use_reentrant=False)
             pieces = [
-                checkpoint(
-                    _summed_loss,
-                    norm,
-                    readers,
-                    weights,
-                    states[start:stop],
-                    targets[start:stop],
-                    spec,
-                    use_reentrant=False,
-                )
-                for start, stop in _spans(len(targets), loss_tokens(len(readers[0].weight)))
+                summed(norm, readers, weights, states[start:stop], targets[start:stop], spec)
+                for start, stop in spans
             ]
             return sum(pieces[1:], pieces[0]) / len(targets)
 
         residual = self.embeddings(embeddings)
+        kept = self.kept_blocks(input_ids)
         for index, module in enumerate(self.blocks):
-            residual = checkpoint(module, block(index), residual, use_reentrant=False)
+            if index < kept:
+                residual = module(block(index), residual)
+            else:
+                residual = checkpoint(module, _trimmed(block(index)), residual, use_reentrant=False)
         return self.head(loss, residual)
+
+    def memory(self, tokens: int, seq_len: int) -> StepMemory:
+        """What a step on ``tokens`` tokens (this process's) in sequences of ``seq_len``
+        holds (:func:`step_memory`)."""
+        itemsize = next(self.blocks[0].parameters()).element_size()
+        return step_memory(
+            self.spec,
+            len(self.learns),
+            itemsize,
+            tokens,
+            seq_len,
+            processes=self.processes,
+            scores=self.runner.keeps_attention_scores,
+            reads_tokens=self.reads_tokens,
+            casts=self.blocks[0].compute_dtype is not None and itemsize < 4,
+        )
+
+    def kept_blocks(self, input_ids: torch.Tensor) -> int:
+        """How many blocks (the first ones) keep their work for the backward on
+        ``input_ids``; the others recompute it there, one at a time. None under several
+        processes: FSDP gathers a part again for its recomputation, so memory is one part's,
+        and every process must gather in the same order."""
+        if self.processes > 1 or not torch.is_grad_enabled():
+            return 0
+        return self.memory(input_ids.numel(), input_ids.shape[-1]).kept_blocks(self.free)
 
     def _reader(self, index: int, part: Head, probe: Head) -> HeadReader:
         """Endpoint ``index``'s head ``part`` read through its moved ``probe`` (``M``, ``μ``):
@@ -307,6 +495,37 @@ def _summed_loss(
         logits = term.mul_(weight) if logits is None else logits.add_(term.mul_(weight))
         del term
     return F.cross_entropy(soft_capped(logits, spec).float(), targets, reduction="sum")
+
+
+def _trimmed(run: Callable) -> Callable:
+    """``run`` for a block whose work is recomputed in the backward: the heap's free memory
+    goes back to the system first, as each loss piece's does (see :func:`_summed_loss`), so
+    that each recomputation's transients do not add up."""
+
+    def trimmed(*args):
+        trim_heap()
+        return run(*args)
+
+    return trimmed
+
+
+def _first_unrotated(
+    transforms: list[Transform | None], permutation: bool, num_layers: int
+) -> list[Transform | None]:
+    """``transforms`` with the first one's residual rotation ``Q_0`` moved onto the others
+    (``Q_i·Q_0ᵀ``; the first unrotated). The loss is invariant under one rotation of the
+    whole mix and the actions are linear in the weights, so the mix's loss is the same, with
+    the same gradients (``Q_0`` is a parametrised orthogonal map), and the first endpoint's
+    blocks are not rotated at all. Not where the first's rotation is a ``permutation``
+    learned through a straight-through estimator: its gradient is not the manifold's."""
+    first = transforms[0]
+    if first is None or first.rotation is None or permutation:
+        return transforms
+    turn = first.rotation.mT
+    others = [t or Transform(num_layers, absorb_norms=True) for t in transforms[1:]]
+    return [replace(first, rotation=None)] + [
+        replace(t, rotation=turn if t.rotation is None else t.rotation @ turn) for t in others
+    ]
 
 
 def _spans(count: int, size: int) -> list[tuple[int, int]]:

@@ -40,6 +40,9 @@ from lmc_mergekit.matching.interpolation import (
     InterpolationObjective,
     Precision,
     autocast_dtype,
+    device_shortfall,
+    endpoint_dtype,
+    step_memory,
 )
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import ModelSpec, ModelView
@@ -217,7 +220,26 @@ def learn_symmetries(
     device = runner.device
     autocast = autocast_dtype(config.precision, device)
     sequences, heldout = heldout_split(sequences, config.heldout_sequences)
+    free = None
+    if device.type == "cuda":  # before any endpoint is on the GPU: fail before heavy work
+        free = torch.cuda.mem_get_info(device)[0]
+        held = endpoint_dtype(autocast, [endpoints[0].block(0)]).itemsize
+        memory = step_memory(
+            spec,
+            len(endpoints),
+            held,
+            config.batch_size // processes.world_size * sequences.shape[-1],
+            sequences.shape[-1],
+            processes=processes.world_size,
+            scores=runner.keeps_attention_scores,
+            reads_tokens=spec.tied_embeddings and processes.world_size == 1,
+            casts=autocast is None and held < 4,
+        )
+        problem = device_shortfall(memory, free)
+        if problem is not None:
+            raise LmcError(problem)
     objective = InterpolationObjective(endpoints, learned, runner, processes, autocast)
+    objective.free = free
     objective.symmetries.to(device)
     params = [p for p in objective.symmetries.parameters()]
     if not params:

@@ -10,15 +10,23 @@ Coordinate descent over the symmetry group (reference notes §2, §4):
    then each head's QK and OV maps fitted (:mod:`lmc_mergekit.matching.head_maps`);
 3. the rotation refitted on every weight of the model, given those assignments;
 
-repeated until no assignment changes or a round shortens the distance by less than
-``tolerance``. Each round is one pass over the layers, reading each block of both models once
-(memory: the block being solved, never a model); a layer whose assignment did not change in the
-last round is not solved again while the rotation barely moves. The heavy products run in
-float32 on ``device``, the small fits (Procrustes, head maps) in float64 on the CPU, and the
-linear assignments in scipy. The residual map stays in the group the model admits
-(:mod:`lmc_mergekit.symmetry.group`): rotations fixing the all-ones vector for LayerNorm models,
-signed permutations (found by linear assignment) for post-norm ones; QK maps are not fitted
-where queries and keys are normalised. Both models are compared with their norms absorbed.
+repeated until no assignment changes, the refitted rotation no longer moves, a round shortens
+the distance by less than ``tolerance``, or ``max_iterations`` rounds have run
+(:attr:`MatchResult.stopped` says which). Each round is one pass over the layers, reading each
+block of both models once (memory: the block being solved, never a model); a layer whose
+assignment did not change in the last round is not solved again while the rotation barely
+moves. The moves run in float32 on ``device``, the similarities that only rank heads and
+neurons in bf16 where the device multiplies it natively
+(:func:`~lmc_mergekit.matching.assignment.similarity_dtype`), the small fits (Procrustes, head
+maps) in float64 on the CPU, and the linear assignments in scipy. A round known to be the last
+(the ``max_iterations``-th) fits no next rotation. Given writers, the first round hands the
+reference's parts (norms absorbed, as it is written) and the last round the moved parts of
+``other`` to them, so that checkpoints stored in 16 bits are written and checked without
+moving any block again (:class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`).
+The residual map stays in the group the model admits (:mod:`lmc_mergekit.symmetry.group`):
+rotations fixing the all-ones vector for LayerNorm models, signed permutations (found by
+linear assignment) for post-norm ones; QK maps are not fitted where queries and keys are
+normalised. Both models are compared with their norms absorbed.
 
 The global residual scale ``g`` is not fitted: it is the one symmetry that changes config.json
 (the norms' eps becomes ``eps·g²``), and a merged checkpoint has a single eps. So ``g`` is pinned
@@ -31,9 +39,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -45,6 +54,7 @@ from lmc_mergekit.matching.assignment import (
     head_similarity,
     match_heads,
     neuron_similarity,
+    similarity_dtype,
 )
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_normed_qk_maps, fit_rope_maps
 from lmc_mergekit.matching.procrustes import residual_procrustes
@@ -62,6 +72,7 @@ from lmc_mergekit.models.view import (
 from lmc_mergekit.symmetry import LayerTransform, Transform
 from lmc_mergekit.symmetry.actions import (
     apply_layer_transform,
+    compute_dtype,
     permute_heads,
     transform_block,
     transform_embeddings,
@@ -75,11 +86,29 @@ TOLERANCE = 1e-4
 #: While the rotation moves less than this (``||ΔQ||/sqrt(d)``), a layer whose assignment held
 #: in the last round keeps it without being solved again.
 STEADY_ROTATION = 1e-3
+#: A rotation refitted this close to the last round's (float32 products' noise) would have the
+#: next round solve the same problems again: the descent has settled (a scramble, undone in
+#: one round, stops there).
+SETTLED_ROTATION = 1e-5
 #: Where the heavy products run (the fits and the assignments run in float64 on the CPU).
 WORK_DTYPE = torch.float32
 #: Token rows of the embeddings and the head worked on at a time: the descent holds a block of
 #: each model and this many rows, never a whole embedding (2 GB in float32 at 256k × 2304).
 ROW_CHUNK = 16384
+
+
+class PartsWriter(Protocol):
+    """What takes a moved model's exact parts as they are computed (embeddings slices, blocks
+    in order with their source blocks, head slices): a
+    :class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`."""
+
+    def embeddings(self, exact: Embeddings) -> None: ...
+
+    def block(self, index: int, exact: Block, source: Block | None = None) -> None: ...
+
+    def head(self, exact: Head) -> None: ...
+
+    def discard(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -95,6 +124,12 @@ class MatchResult:
     seconds: float
     #: Per round, how many layers had their heads and neurons assigned afresh.
     solved: tuple[int, ...] = ()
+    #: Why the descent stopped, in words.
+    stopped: str = ""
+    #: The writer that took the returned transform's moved parts of B (the last round's), if any.
+    written: PartsWriter | None = None
+    #: The writer that took A's parts (norms absorbed: every round's are alike), if any.
+    written_reference: PartsWriter | None = None
 
 
 def match_weights(
@@ -106,10 +141,17 @@ def match_weights(
     device: torch.device | str = "cpu",
     progress: bool = False,
     keep_tie: bool = False,
+    writer: Callable[[ModelSpec], PartsWriter] | None = None,
+    reference_writer: Callable[[ModelSpec], PartsWriter] | None = None,
 ) -> MatchResult:
     """The symmetry of ``other`` (norms absorbed, rotation, scale, head and neuron permutations,
     per-head maps) that brings its weights closest to ``reference``'s; with ``keep_tie``, one
-    that keeps tied embeddings tied (a signed-permutation residual map, the final norm kept)."""
+    that keeps tied embeddings tied (a signed-permutation residual map, the final norm kept).
+    ``writer(moved spec)`` makes the writer the last round hands its moved parts of ``other``
+    to, where ``other`` is stored in 16 bits (see the module docstring); it is discarded
+    unless that round's transform is the result. ``reference_writer(spec)`` makes the one the
+    first round hands ``reference``'s parts (norms absorbed) to, where it is stored in 16
+    bits."""
     start = time.perf_counter()
     spec = reference.spec
     mismatch = spec.shape_mismatch(other.spec)
@@ -125,36 +167,80 @@ def match_weights(
     # every round's cross-correlation is this one.
     outside = _cross(a, b, scale)
     rotation = residual_procrustes(outside, group)
-    distances = [_distance(a, b)]
+    distances: list[float] = []
     best = None
     layers: list[LayerTransform | None] = [None] * spec.num_layers
     steady = [False] * spec.num_layers
     solved: list[int] = []
     bar = tqdm(total=max_iterations, desc="weight matching", disable=not progress, leave=False)
-    iterations = 0
+    iterations, stopped = 0, f"max_iterations ({max_iterations}) rounds ran"
     moved_by = math.inf
-    while iterations < max_iterations:
-        iterations += 1
-        round_ = _round(
-            a, b, spec, rotation, scale, outside, layers, steady, moved_by, bar, iterations
-        )
-        layers, changed = round_.layers, round_.changed
-        candidate = Transform(spec.num_layers, True, rotation, scale, tuple(layers), keep_tie)
-        distances.append(round_.distance)
-        solved.append(round_.solved)
-        bar.update()
-        # The steps fit slightly different objectives (circuit cosines, balanced head maps), so
-        # the descent can cycle once it has settled: stop when a round no longer helps.
-        if best is not None and distances[-1] >= best[0] * (1 - tolerance):
-            break
-        best = (distances[-1], candidate)
-        if iterations > 1 and not any(changed):
-            break
-        steady = [not c for c in changed]
-        new_rotation = residual_procrustes(round_.cross, group)
-        moved_by = float((new_rotation - rotation).norm()) / math.sqrt(spec.hidden_size)
-        rotation = new_rotation
-    bar.close()
+    sink = None
+    made = reference_writer is not None and _written_as_computed(a)
+    reference_sink = reference_writer(reference.spec) if made else None
+    try:
+        while iterations < max_iterations:
+            iterations += 1
+            last = iterations == max_iterations
+            made = last and writer is not None and _written_as_computed(b)
+            # Norms normalise away the scale g exactly when their eps scales by g².
+            moved_spec = replace(other.spec, norm_eps=other.spec.norm_eps * scale**2)
+            sink = writer(moved_spec) if made else None
+            round_ = _round(
+                a,
+                b,
+                spec,
+                _Turn(rotation, scale),
+                outside,
+                layers,
+                steady,
+                moved_by,
+                bar,
+                iterations,
+                last,
+                (reference_sink if iterations == 1 else None, sink),
+            )
+            layers, changed = round_.layers, round_.changed
+            candidate = Transform(spec.num_layers, True, rotation, scale, tuple(layers), keep_tie)
+            if iterations == 1:
+                distances.append(round_.before)
+            distances.append(round_.distance)
+            solved.append(round_.solved)
+            bar.update()
+            # The steps fit slightly different objectives (circuit cosines, balanced head
+            # maps), so the descent can cycle once it has settled: stop when a round no longer
+            # helps.
+            if best is not None and distances[-1] >= best[0] * (1 - tolerance):
+                stopped = (
+                    f"round {iterations} shortened the distance by less than {tolerance:g} "
+                    f"(relative): round {iterations - 1}'s result kept"
+                )
+                break
+            best = (distances[-1], candidate, sink)
+            if iterations > 1 and not any(changed):
+                stopped = f"no assignment changed in round {iterations}"
+                break
+            if last:
+                break
+            steady = [not c for c in changed]
+            new_rotation = residual_procrustes(round_.cross, group)
+            moved_by = float((new_rotation - rotation).norm()) / math.sqrt(spec.hidden_size)
+            if moved_by < SETTLED_ROTATION:
+                stopped = (
+                    f"the rotation refitted after round {iterations} moved by {moved_by:.1e}: "
+                    "a next round would assign every layer as this one did"
+                )
+                break
+            rotation = new_rotation
+    except BaseException:
+        for made in (sink, reference_sink):
+            if made is not None:
+                made.discard()
+        raise
+    finally:
+        bar.close()
+    if sink is not None and best[2] is not sink:
+        sink.discard()
     return MatchResult(
         transform=best[1],
         distance=best[0],
@@ -162,7 +248,28 @@ def match_weights(
         distances=tuple(distances),
         seconds=time.perf_counter() - start,
         solved=tuple(solved),
+        stopped=stopped,
+        written=best[2],
+        written_reference=reference_sink,
     )
+
+
+def _written_as_computed(view: _Working) -> bool:
+    """Whether the parts of ``view`` that a round moves in :data:`WORK_DTYPE` are what a
+    writer would compute (a model stored in 16 bits; one stored in float32 is moved in float64
+    to be written)."""
+    parts = [view.view.block(0)] + [
+        next(row_chunks(view.view, read, 1)) for read in ("embeddings", "head")
+    ]
+    return all(compute_dtype(part) == WORK_DTYPE for part in parts)
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """A round's residual map and scale (float64, as the transform keeps them)."""
+
+    rotation: torch.Tensor
+    scale: float
 
 
 @dataclass
@@ -170,40 +277,76 @@ class _Round:
     layers: list[LayerTransform]
     changed: list[bool]
     distance: float
-    #: The cross-correlation the next rotation is fitted to (B permuted by these layers).
-    cross: torch.Tensor
+    #: The distance of the models as they are (norms absorbed), measured on the way.
+    before: float
+    #: The cross-correlation the next rotation is fitted to (B permuted by these layers);
+    #: None after a last round.
+    cross: torch.Tensor | None
     solved: int
 
 
 def _round(
-    a, b, spec, rotation, scale, outside, previous, steady, moved_by, bar, iteration
+    a, b, spec, turn, outside, previous, steady, moved_by, bar, iteration, last, sinks
 ) -> _Round:
-    """One pass over the model: B turned by ``rotation``, every layer assigned (or kept), the
-    distance of the result, and the cross-correlation for the next rotation (``outside``: the
-    embeddings' and heads' share of it)."""
-    turn = Transform(spec.num_layers, True, rotation, scale, keep_tie=a.keep_tie).to(WORK_DTYPE)
-    turn = replace(turn, rotation=turn.rotation.to(a.device))
-    acc = _Accumulator(scale, a.keep_tie)
-    acc.cross = outside.to(a.device)
-    for part_a, part_b, first in _outside(a, b):
-        moved = _move_outside(part_b, turn)
-        acc.add_distance(*_counted(part_a, moved, first))
+    """One pass over the model: B turned by ``turn``, every layer assigned (or kept), the
+    distance of the result, and unless ``last`` the cross-correlation for the next rotation
+    (``outside``: the embeddings' and heads' share of it). A's parts (norms absorbed) and the
+    parts of B moved by the round's transform go to ``sinks`` (embeddings, blocks, head, in
+    that order) where they are given."""
+    sink_a, sink = sinks
+    moving = Transform(spec.num_layers, True, turn.rotation, turn.scale, keep_tie=a.keep_tie)
+    moving = moving.to(WORK_DTYPE)
+    moving = replace(moving, rotation=moving.rotation.to(a.device))
+    acc = _Accumulator(turn.scale, a.keep_tie)
+    acc.cross = None if last else outside.to(a.device)
+    before = _Accumulator(1.0) if iteration == 1 else None
+
+    def outside_part(read: str) -> None:
+        for part_a, part_b, first in _outside(a, b, read):
+            moved = _move_outside(part_b, moving)
+            acc.add_distance(*_counted(part_a, moved, first))
+            if before is not None:
+                before.add_distance(*_counted(part_a, part_b, first))
+            for part, to in ((part_a, sink_a), (moved, sink)):
+                if to is not None:
+                    getattr(to, read)(_on_cpu(part))
+
+    outside_part("embeddings")
     layers, changed, solved = [], [], 0
     for index in range(spec.num_layers):
         bar.set_postfix_str(f"round {iteration}, layer {index + 1}/{spec.num_layers}")
-        block_a, block_b = a.block(index), b.block(index)
-        turned = transform_block(block_b, spec, turn, index)
+        (raw_a, block_a), (raw, block_b) = a.read(index), b.read(index)
+        if sink_a is not None:
+            sink_a.block(index, _on_cpu(block_a), raw_a)
+        del raw_a
+        if before is not None:
+            before.add_distance(block_a, block_b)
+        turned = transform_block(block_b, spec, moving, index)
         keep = previous[index] is not None and steady[index] and moved_by < STEADY_ROTATION
         layer = match_layer(block_a, turned, spec, previous[index], keep)
         solved += not keep
         changed.append(previous[index] is None or not _same_assignment(layer, previous[index]))
         layers.append(layer)
         work = _in_dtype(layer, WORK_DTYPE, a.device)
-        acc.add_distance(block_a, apply_layer_transform(turned, spec, work))
-        acc.add_cross(block_a, apply_layer_transform(block_b, spec, work))
+        moved = apply_layer_transform(turned, spec, work)
+        del turned
+        acc.add_distance(block_a, moved)
+        if not last:
+            acc.add_cross(block_a, apply_layer_transform(block_b, spec, work))
+        del block_b
+        if sink is not None:
+            sink.block(index, _on_cpu(moved), raw)
+        del moved, raw
+    outside_part("head")
     distance = acc.distance()
     bar.set_postfix_str(f"round {iteration}: distance {distance:.4f}, {solved} layers solved")
-    return _Round(layers, changed, distance, acc.cross.cpu(), solved)
+    cross = None if last else acc.cross.cpu()
+    initial = math.nan if before is None else before.distance()
+    return _Round(layers, changed, distance, initial, cross, solved)
+
+
+def _on_cpu(part):
+    return map_tensors(part, lambda t: t.cpu())
 
 
 class _Accumulator:
@@ -217,9 +360,11 @@ class _Accumulator:
         self.keep_tie = keep_tie
 
     def add_distance(self, part_a, moved) -> None:
+        # Summed in the working dtype (pairwise sums: accurate far past the tolerance), each
+        # tensor's total added in float64: no float64 copy of a block.
         for (_, ta), (_, tb) in zip(iter_tensors(part_a), iter_tensors(moved), strict=True):
-            self.diff += float((ta - tb).double().pow(2).sum())
-            self.total += float(ta.double().pow(2).sum())
+            self.diff += float(torch.sub(ta, tb).pow_(2).sum())
+            self.total += float(ta.pow(2).sum())
 
     def add_cross(self, part_a, part_b) -> None:
         rows_a, rows_b = (_rows(part, self.keep_tie) for part in (part_a, part_b))
@@ -263,30 +408,20 @@ def _cross(a, b, scale: float) -> torch.Tensor:
     """The cross-correlation of the embeddings and the heads of ``b`` and ``a``: they
     correspond row by row in any two models sharing a tokenizer."""
     acc = _Accumulator(scale, a.keep_tie)
-    for part_a, part_b, first in _outside(a, b):
-        acc.add_cross(*_counted(part_a, part_b, first))
+    for read in ("embeddings", "head"):
+        for part_a, part_b, first in _outside(a, b, read):
+            acc.add_cross(*_counted(part_a, part_b, first))
     return acc.cross.cpu()
 
 
-def _distance(a, b) -> float:
-    """``||B - A|| / ||A||`` over every weight."""
-    acc = _Accumulator(1.0)
-    for part_a, part_b, first in _outside(a, b):
-        acc.add_distance(*_counted(part_a, part_b, first))
-    for index in range(a.spec.num_layers):
-        acc.add_distance(a.block(index), b.block(index))
-    return acc.distance()
-
-
 def _outside(
-    a: _Working, b: _Working
+    a: _Working, b: _Working, read: str
 ) -> Iterator[tuple[Embeddings | Head, Embeddings | Head, bool]]:
-    """The embeddings, then the heads, of ``a`` and ``b`` side by side, :data:`ROW_CHUNK`
-    rows at a time, and whether the chunk is its part's first (the only one whose other
-    tensors, such as the final norm, count)."""
-    for read in ("embeddings", "head"):
-        for index, (part_a, part_b) in enumerate(zip(a.chunks(read), b.chunks(read), strict=True)):
-            yield part_a, part_b, index == 0
+    """The embeddings (``read``: ``embeddings``) or the heads (``head``) of ``a`` and ``b``
+    side by side, :data:`ROW_CHUNK` rows at a time, and whether the chunk is its part's first
+    (the only one whose other tensors, such as the final norm, count)."""
+    for index, (part_a, part_b) in enumerate(zip(a.chunks(read), b.chunks(read), strict=True)):
+        yield part_a, part_b, index == 0
 
 
 def _move_outside(part: Embeddings | Head, turn: Transform) -> Embeddings | Head:
@@ -317,30 +452,53 @@ def match_layer(
 ) -> LayerTransform:
     """Head and neuron permutations and per-head maps moving block ``b`` onto block ``a``
     (both already in one residual basis), starting from the ``previous`` round's assignment;
-    with ``keep``, its permutations are kept and only the maps fitted. Maps and permutations
-    come back in float64 on the CPU."""
-    attn_a, attn_b = (map_tensors(x.attn, _cpu64) for x in (a, b))
+    with ``keep``, its permutations are kept and only the maps fitted. The similarities that
+    rank heads and neurons run in :func:`~lmc_mergekit.matching.assignment.similarity_dtype` on
+    the blocks' device, the map fits in float64 on the CPU. Maps and permutations come back in
+    float64 on the CPU."""
     if keep and previous is not None:
         head_perm, ffn_perm = previous.head_perm, previous.ffn_perm
     else:
-        head_perm = match_heads(head_similarity(attn_a, attn_b, spec), spec.num_kv_heads)
+        ranked = similarity_dtype(a.attn.q.device)
+
+        def low(part):
+            return map_tensors(part, lambda t: t.to(ranked))
+
+        heads = head_similarity(low(a.attn), low(b.attn), spec)
+        head_perm = match_heads(_cpu64(heads), spec.num_kv_heads)
         current = None if previous is None else previous.ffn_perm
-        ffn_perm, _ = best_permutation(_cpu64(neuron_similarity(a.mlp, b.mlp)), current)
-    attn = permute_heads(attn_b, spec, head_perm)
-    if symmetry_group(spec).qk_maps:
-        xa, ya = circuit_blocks(attn_a, spec, "qk")
-        xb, yb = circuit_blocks(attn, spec, "qk")
-        qk = fit_rope_maps(xa, ya, xb, yb, spec.rotary_dims).mT
-    else:
-        xa, ya = circuit_blocks(_gained(attn_a, spec), spec, "qk")
-        xb, yb = circuit_blocks(_gained(attn, spec), spec, "qk")
-        gains = qk_gains(attn_a, spec), qk_gains(attn, spec)
-        qk = fit_normed_qk_maps(xa, ya, xb, yb, *gains, spec.rotary_dims)
-    xa, ya = circuit_blocks(attn_a, spec, "ov")
-    xb, yb = circuit_blocks(attn, spec, "ov")
-    ov = fit_free_maps(xa, ya, xb, yb)
+        ffn_perm, _ = best_permutation(neuron_similarity(low(a.mlp), low(b.mlp)).cpu(), current)
+    attn = permute_heads(b.attn, spec, head_perm.to(b.attn.q.device))
+    qk, ov = _fit_maps(a.attn, attn, spec)
     # The fitted A act on rows (X ← A·X); the transform stores M with W_q ← Mᵀ·W_q, i.e. Aᵀ.
     return LayerTransform(head_perm=head_perm, ffn_perm=ffn_perm, qk=qk, ov=ov.mT)
+
+
+#: Key/value heads whose maps are fitted at a time (their circuit blocks in float64).
+FIT_HEADS = 8
+
+
+def _fit_maps(
+    attn_a: Attention, attn_b: Attention, spec: ModelSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QK maps (as the transform stores them) and the OV maps (acting on rows) taking the
+    heads of ``attn_b`` (already assigned) onto those of ``attn_a``: fitted in float64 on the
+    CPU, :data:`FIT_HEADS` key/value heads at a time (each head's fit is its own)."""
+    ov_a, ov_b = circuit_blocks(attn_a, spec, "ov"), circuit_blocks(attn_b, spec, "ov")
+    chunks = [slice(s, s + FIT_HEADS) for s in range(0, spec.num_kv_heads, FIT_HEADS)]
+    ov = torch.cat([fit_free_maps(*(_cpu64(t[h]) for t in (*ov_a, *ov_b))) for h in chunks])
+    if not symmetry_group(spec).qk_maps:
+        # Diagonal maps under a QK-norm: elementwise, fitted over every head at once.
+        xa, ya = circuit_blocks(_gained(attn_a, spec), spec, "qk")
+        xb, yb = circuit_blocks(_gained(attn_b, spec), spec, "qk")
+        gains = [tuple(map(_cpu64, qk_gains(x, spec))) for x in (attn_a, attn_b)]
+        blocks = (_cpu64(t) for t in (xa, ya, xb, yb))
+        return fit_normed_qk_maps(*blocks, *gains, spec.rotary_dims), ov
+    qk_a, qk_b = circuit_blocks(attn_a, spec, "qk"), circuit_blocks(attn_b, spec, "qk")
+    qk = [
+        fit_rope_maps(*(_cpu64(t[h]) for t in (*qk_a, *qk_b)), spec.rotary_dims).mT for h in chunks
+    ]
+    return torch.cat(qk), ov
 
 
 def qk_gains(attn: Attention, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,4 +577,10 @@ class _Working:
             yield _move_outside(self._work(part), self._absorb)
 
     def block(self, index: int) -> Block:
-        return transform_block(self._work(self.view.block(index)), self.spec, self._absorb, index)
+        """Block ``index`` in the working dtype, its norms absorbed."""
+        return self.read(index)[1]
+
+    def read(self, index: int) -> tuple[Block, Block]:
+        """Block ``index`` as stored, and in the working dtype with its norms absorbed."""
+        raw = self.view.block(index)
+        return raw, transform_block(self._work(raw), self.spec, self._absorb, index)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -309,16 +310,22 @@ class RowsReader:
 
 
 class ShardWriter:
-    """Writes tensors into size-limited safetensors shards (mergekit's own writer)."""
+    """Writes tensors into size-limited safetensors shards (mergekit's own writer). With
+    ``verify``, the CRC-32 of every tensor's bytes is noted as it is handed in, and
+    :meth:`close` reads every one back from the finished shards and compares."""
 
-    def __init__(self, folder: Path, max_shard_size: int):
+    def __init__(self, folder: Path, max_shard_size: int, verify: bool = False):
+        self._folder = folder
         self._writer = TensorWriter(str(folder), max_shard_size=max_shard_size)
         self._max = max_shard_size
+        self._crcs: dict[str, int] | None = {} if verify else None
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:
         """Queue tensors; a shard is flushed to disk as soon as it is full."""
         for name, tensor in tensors.items():
-            self._writer.save_tensor(name, tensor.contiguous())
+            tensor = tensor.contiguous()
+            self.note(name, tensor)
+            self._writer.save_tensor(name, tensor)
             # mergekit flushes a full shard only when the next tensor arrives, so a tensor
             # larger than a shard (a whole embedding) would stay in memory while the next part
             # is computed. Flushed now, the shards hold the same tensors.
@@ -345,9 +352,35 @@ class ShardWriter:
             writer.total_size += nbytes
         return Path(writer.out_path) / shard
 
+    def note(self, name: str, values: torch.Tensor) -> None:
+        """Fold the bytes of ``values`` (the next ones of tensor ``name``) into its CRC."""
+        if self._crcs is not None:
+            self._crcs[name] = zlib.crc32(_bytes(values), self._crcs.get(name, 0))
+
     def close(self) -> None:
-        """Flush the last shard and write the index."""
+        """Flush the last shard, write the index and, with ``verify``, check every tensor."""
         self._writer.finalize()
+        if self._crcs is not None:
+            self.verify()
+
+    def verify(self) -> None:
+        """Raise unless every tensor written reads back, byte for byte, as it was handed in
+        (read a slice of rows at a time)."""
+        reader = CheckpointReader(self._folder)
+        for name, expected in self._crcs.items():
+            crc = 0
+            shape = reader.shape(name)
+            if len(shape) < 2:
+                crc = zlib.crc32(_bytes(reader.get(name)))
+            else:
+                step = max(1, SCAN_ELEMENTS // math.prod(shape[1:]))
+                for start in range(0, shape[0], step):
+                    crc = zlib.crc32(_bytes(reader.rows(name, start, start + step)), crc)
+            if crc != expected:
+                raise LmcError(
+                    f"{self._folder.name}: tensor {name!r} reads back from its shard other than "
+                    "it was written (a failing disk or a concurrent writer); nothing was kept"
+                )
 
 
 #: safetensors' names of the dtypes a sink streams.
@@ -396,7 +429,8 @@ class TensorSink:
         if self._buffer is not None:
             self._buffer[self.filled : self.filled + flat.numel()] = flat
         else:
-            self._file.write(flat.contiguous().view(torch.uint8).numpy().data)
+            self._writer.note(self.name, flat)
+            self._file.write(_bytes(flat))
         self.filled += flat.numel()
 
     def __exit__(self, error_type, error, trace) -> None:
@@ -409,6 +443,11 @@ class TensorSink:
         if self._buffer is not None:
             self._writer.write({self.name: self._buffer.reshape(self.shape)})
             self._buffer = None
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous tensor (as safetensors stores them)."""
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def copy_tagalong_files(source: Path, target: Path) -> None:

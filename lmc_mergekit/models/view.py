@@ -255,28 +255,6 @@ def row_chunks(view: ModelView, read: str, rows: int) -> Iterator[Embeddings | H
     yield from sliced_rows(getattr(view, read)(), read, rows)
 
 
-def whole_rows(view: ModelView, read: str, rows: int = VOCAB_ROWS) -> Embeddings | Head:
-    """``view``'s part ``read`` assembled from its :func:`row_chunks` into one matrix of the
-    vocabulary's rows: a writer holds the result, not also a whole source and its float64
-    copy. A view without its own ``row_chunks`` (in memory), a part of another row count, or a
-    head with a bias, is read whole."""
-    if getattr(view, "row_chunks", None) is None:
-        return getattr(view, read)()
-    field, out, first, start = ROW_FIELDS[read], None, None, 0
-    for chunk in row_chunks(view, read, rows):
-        piece = getattr(chunk, field)
-        if first is None:
-            first = chunk
-            out = piece.new_empty((view.spec.vocab_size, *piece.shape[1:]))
-        if start + len(piece) > len(out) or getattr(chunk, "bias", None) is not None:
-            return getattr(view, read)()
-        out[start : start + len(piece)] = piece
-        start += len(piece)
-    if first is None or start != len(out):
-        return getattr(view, read)()
-    return replace(first, **{field: out})
-
-
 def sliced_rows(part: Embeddings | Head, read: str, rows: int) -> Iterator[Embeddings | Head]:
     """``part`` (read as ``read``) a slice of ``rows`` vocabulary rows at a time."""
     field = ROW_FIELDS[read]

@@ -43,7 +43,7 @@ from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group, untying_gains
 from lmc_mergekit.symmetry.transform import load_transform, save_transform
-from lmc_mergekit.transform_checkpoint import transform_checkpoint
+from lmc_mergekit.transform_checkpoint import CheckedWriter, transform_checkpoint
 
 # Learned-matching steps when a recipe does not say (about a minute for a d=128 pair on 2 cores).
 DEFAULT_STEPS = 200
@@ -494,6 +494,18 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
                 config.calibration_needed,
             )
             calibration = load_recipe_split(ctx.inputs, settings, "train", most, fix)
+
+    def writer(index: int, spec: ModelSpec) -> CheckedWriter:
+        # Where weight matching's last round moves a model as it would be written.
+        return CheckedWriter(
+            views[index],
+            spec,
+            ctx.outputs[index],
+            max_shard_size=_shard_size(ctx),
+            progress=ctx.progress and not ctx.options.quiet,
+            trust_remote_code=ctx.options.trust_remote_code,
+        )
+
     alignment = align(
         views,
         config,
@@ -503,6 +515,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         processes=ctx.processes,
         progress=ctx.progress,
         trust_remote_code=ctx.options.trust_remote_code,
+        writers=writer,
     )
     seconds = dict(alignment.seconds)
     learning = None
@@ -517,7 +530,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
     if not ctx.processes.is_main:
         return AlignmentPreparation(matching=alignment.matching, learning=learning, seconds={})
     started = time.perf_counter()
-    written = write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx)
+    written = write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx, alignment.written)
     seconds["writing_and_self_check"] = time.perf_counter() - started
     if learning is not None:  # the measurement walks the weight-matched paths too (same files)
         ctx.artefacts.mkdir(parents=True, exist_ok=True)
@@ -536,21 +549,44 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
 
 
 def write_moved(
-    inputs, outputs, transforms: list[Transform], ctx, progress: bool = True
+    inputs,
+    outputs,
+    transforms: list[Transform],
+    ctx,
+    written: dict[int, CheckedWriter] | None = None,
+    progress: bool = True,
 ) -> list[ModelSpec]:
-    """Every input moved by its transform into ``outputs`` (each self-checked); the written
+    """Every input moved by its transform into ``outputs`` (each self-checked), or published
+    by the writer in ``written`` that weight matching already handed it to; the written
     specs."""
-    return [
-        transform_checkpoint(
-            source,
-            out,
-            transform,
-            max_shard_size=min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE),
-            progress=progress and not ctx.options.quiet,
-            trust_remote_code=ctx.options.trust_remote_code,
-        )[0]
-        for source, out, transform in zip(inputs, outputs, transforms, strict=True)
-    ]
+    written = dict(written or {})
+    specs = []
+    try:
+        for index, (source, out, transform) in enumerate(
+            zip(inputs, outputs, transforms, strict=True)
+        ):
+            if index in written:
+                specs.append(written.pop(index).publish()[0])
+                continue
+            spec, _ = transform_checkpoint(
+                source,
+                out,
+                transform,
+                max_shard_size=_shard_size(ctx),
+                progress=progress and not ctx.options.quiet,
+                trust_remote_code=ctx.options.trust_remote_code,
+            )
+            specs.append(spec)
+    finally:
+        for writer in written.values():  # not reached: nothing half-written stays
+            writer.discard()
+    return specs
+
+
+def _shard_size(ctx) -> int:
+    """The shards prepared inputs are written in (mergekit's ``--out-shard-size``, at most
+    :data:`DEFAULT_SHARD_SIZE`: mergekit holds one whole shard while it merges)."""
+    return min(ctx.options.out_shard_size, DEFAULT_SHARD_SIZE)
 
 
 def _tie_record(

@@ -1,15 +1,16 @@
 """Applying a :class:`Transform` to a model view, one part at a time.
 
 The actions are plain differentiable torch operations in the dtype of their inputs: a
-:class:`TransformedView` computes in float64 and casts back to the source dtype; learned matching
-runs the same functions on float32 parts with trainable group elements. See the transform module
-for the order of operations and the reference notes (§2) for the algebra.
+:class:`TransformedView` computes in float32 (float64 for parts stored in float32) and casts
+back to the source dtype; learned matching runs the same functions on float32 parts with
+trainable group elements. See the transform module for the order of operations and the
+reference notes (§2) for the algebra.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,44 +40,56 @@ def apply_transform(
     view: ModelView, transform: Transform, dtype: torch.dtype | None = None
 ) -> TransformedView:
     """The view of ``view`` moved by ``transform`` (lazy: parts are transformed when read),
-    computed in float64 and rounded once to each tensor's own dtype, or to ``dtype``."""
+    each part computed in :func:`compute_dtype` and rounded once to each tensor's own dtype, or
+    to ``dtype``."""
     transform.check_fits(view.spec)
-    return TransformedView(view, transform.to(torch.float64), dtype)
+    return TransformedView(view, transform, dtype)
 
 
 class TransformedView:
     """A :class:`ModelView` whose parts are those of ``source`` moved by ``transform``, each
-    tensor computed in float64 and rounded once to its source tensor's dtype (or to ``dtype``).
+    part computed in :func:`compute_dtype` (float32 for a part stored in 16 bits, float64 for
+    one stored in float32) and rounded once to its source tensor's dtype (or to ``dtype``).
     The embeddings and the head are moved in slices of rows (each row moves on its own), so
-    that no float64 copy of a whole vocabulary exists."""
+    that no full-precision copy of a whole vocabulary exists."""
 
     def __init__(self, source: ModelView, transform: Transform, dtype: torch.dtype | None = None):
         self.source = source
-        self.transform = transform
+        self.transform = transform.to(torch.float64)
+        self._transforms = {torch.float64: self.transform}
         self.dtype = dtype
         # Norms normalise away a global scale g exactly when their eps scales by g².
         self.spec: ModelSpec = replace(
             source.spec, norm_eps=source.spec.norm_eps * transform.scale**2
         )
 
+    def in_dtype(self, dtype: torch.dtype) -> Transform:
+        """The transform with its rotation and maps in ``dtype`` (cast once)."""
+        if dtype not in self._transforms:
+            self._transforms[dtype] = self.transform.to(dtype)
+        return self._transforms[dtype]
+
     def embeddings(self) -> Embeddings:
         return _by_rows(
             self.source.embeddings(),
             "tokens",
-            lambda e: transform_embeddings(e, self.transform),
+            lambda e, dt: transform_embeddings(e, self.in_dtype(dt)),
             self.dtype,
         )
 
     def block(self, index: int) -> Block:
-        return _in_float64(
+        return _computed(
             self.source.block(index),
-            lambda b: transform_block(b, self.source.spec, self.transform, index),
+            lambda b, dt: transform_block(b, self.source.spec, self.in_dtype(dt), index),
             self.dtype,
         )
 
     def head(self) -> Head:
         return _by_rows(
-            self.source.head(), "weight", lambda h: transform_head(h, self.transform), self.dtype
+            self.source.head(),
+            "weight",
+            lambda h, dt: transform_head(h, self.in_dtype(dt)),
+            self.dtype,
         )
 
     def row_chunks(self, read: str, rows: int) -> Iterator[Embeddings | Head]:
@@ -84,7 +97,7 @@ class TransformedView:
         alone (rows move on their own)."""
         move = transform_embeddings if read == "embeddings" else transform_head
         for part in row_chunks(self.source, read, rows):
-            yield _in_float64(part, lambda p: move(p, self.transform), self.dtype)
+            yield _computed(part, lambda p, dt: move(p, self.in_dtype(dt)), self.dtype)
 
 
 def head_through_tokens(view: ModelView) -> Head | None:
@@ -110,35 +123,61 @@ def head_through_tokens(view: ModelView) -> Head | None:
     probe = replace(first, weight=torch.linalg.inv(rows).float())
     if transform is None:
         return probe
-    return _in_float64(probe, lambda head: transform_head(head, transform))
+    return _computed(probe, lambda head, dt: transform_head(head, view.in_dtype(dt)))
 
 
 # Rows of an embedding or head moved at once (a slice of 8192 × 4096 float64 is 256 MiB).
 ROW_SLICE = 8192
 
 
-def _in_float64(part, fn, dtype: torch.dtype | None = None):
-    """``fn`` applied to ``part`` in float64, each result rounded once to the dtype of the
-    source tensor of the same name (mixed-dtype checkpoints keep their dtypes), or to
+def compute_dtype(part) -> torch.dtype:
+    """What a part is moved in: float64 where a tensor that products reach (a matrix, a bias)
+    is stored in float32 or wider, so that each is its exact transform rounded once; float32
+    where they are all stored in 16 bits (a float32 product's error is far below half a unit
+    of a 16-bit result, and it runs at twice float64's speed). Norm gains, moved only by
+    elementwise scales and signed permutations, do not count."""
+    wide = any(
+        t.is_floating_point() and t.element_size() >= 4 and "norm." not in name
+        for name, t in iter_tensors(part)
+    )
+    return torch.float64 if wide else torch.float32
+
+
+def _computed(part, fn, dtype: torch.dtype | None = None):
+    """``fn(part, compute dtype)`` with ``part`` in its :func:`compute_dtype`, each result
+    rounded once to the dtype of the source tensor of the same name (mixed-dtype checkpoints
+    keep their dtypes), or to ``dtype``."""
+    dtypes = stored_dtypes(part)
+    work = compute_dtype(part)
+    out = fn(map_tensors(part, lambda t: t.to(work) if t.is_floating_point() else t), work)
+    return rounded(out, dtypes, dtype)
+
+
+def stored_dtypes(part) -> dict[str, torch.dtype]:
+    """The dtype of each floating tensor of a (source) part, by its dotted name."""
+    return {name: t.dtype for name, t in iter_tensors(part) if t.is_floating_point()}
+
+
+def rounded(part, dtypes: dict[str, torch.dtype], dtype: torch.dtype | None = None):
+    """A moved ``part`` rounded once: each floating tensor to the source tensor of its name's
+    dtype in ``dtypes`` (a tensor the move created: the source's first dtype), or to
     ``dtype``."""
-    dtypes = {name: t.dtype for name, t in iter_tensors(part) if t.is_floating_point()}
     fallback = next(iter(dtypes.values()))
-    out = fn(map_tensors(part, lambda t: t.double() if t.is_floating_point() else t))
     return map_named_tensors(
-        out,
+        part,
         lambda name, t: t.to(dtype or dtypes.get(name, fallback)) if t.is_floating_point() else t,
     )
 
 
 def _by_rows(part, field: str, fn, dtype: torch.dtype | None = None):
-    """:func:`_in_float64` for a part whose tensor ``field`` ``fn`` moves row by row: run on
+    """:func:`_computed` for a part whose tensor ``field`` ``fn`` moves row by row: run on
     slices of its rows, the other tensors taken from the first slice."""
     rows = getattr(part, field)
     if rows.shape[0] <= ROW_SLICE:
-        return _in_float64(part, fn, dtype)
+        return _computed(part, fn, dtype)
     first, out = None, None
     for start in range(0, rows.shape[0], ROW_SLICE):
-        moved = _in_float64(replace(part, **{field: rows[start : start + ROW_SLICE]}), fn, dtype)
+        moved = _computed(replace(part, **{field: rows[start : start + ROW_SLICE]}), fn, dtype)
         piece = getattr(moved, field)
         if out is None:
             first = moved
@@ -409,36 +448,56 @@ def apply_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Atten
 def _apply_normed_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
     """Diagonal QK maps under a QK-norm (:mod:`.group`): their signs flip rows of ``W_q`` and
     ``W_k`` (the norm commutes with that), their magnitudes scale the ``q_norm`` gain and divide
-    the ``k_norm`` one (a per-head norm's gain is shared by all heads: kv head 0's scales)."""
+    the ``k_norm`` one (:func:`_normed_qk_parts`)."""
+    q_sign, k_sign, q_norm, k_norm = _normed_qk_parts(attn, spec, maps)
+    return replace(
+        attn,
+        q=_signed_rows(attn.q, q_sign),
+        k=_signed_rows(attn.k, k_sign),
+        q_bias=_signed_rows(attn.q_bias, q_sign),
+        k_bias=_signed_rows(attn.k_bias, k_sign),
+        q_norm=q_norm,
+        k_norm=k_norm,
+    )
+
+
+def _normed_qk_parts(
+    attn: Attention, spec: ModelSpec, maps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, Norm, Norm]:
+    """Diagonal QK maps under a QK-norm as they act: the sign of each row of ``W_q`` and of
+    ``W_k`` (:func:`_qk_signs`), and the ``q_norm`` and ``k_norm`` with their gains times and
+    divided by the maps' magnitudes (a per-head norm's gain is shared by all heads: kv head 0's
+    magnitudes)."""
     if attn.q_norm.bias is not None or attn.k_norm.bias is not None:
         # A LayerNorm's mean subtraction does not commute with flipping some rows' signs.
         raise LmcError("QK maps under a QK-norm with a bias (a LayerNorm) are not supported")
     hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
-    diagonal = maps.diagonal(dim1=-2, dim2=-1)  # (hkv, dh)
-    sign, magnitude = torch.sign(diagonal), diagonal.abs()
-
-    def signed(x: torch.Tensor | None, per_query: bool) -> torch.Tensor | None:
-        if x is None:
-            return None
-        signs = sign[:, None, :].expand(hkv, g, dh) if per_query else sign
-        rows = x.reshape(*signs.shape, *x.shape[1:])
-        return (rows * signs.reshape(*signs.shape, *([1] * (x.dim() - 1)))).reshape(x.shape)
-
+    magnitude = maps.diagonal(dim1=-2, dim2=-1).abs()  # (hkv, dh)
     if spec.qk_norm == "head":
         q_scale, k_scale = magnitude[0], magnitude[0]
     else:
         q_scale = magnitude[:, None, :].expand(hkv, g, dh).reshape(-1)
         k_scale = magnitude.reshape(-1)
     q_norm, k_norm = attn.q_norm, attn.k_norm
-    return replace(
-        attn,
-        q=signed(attn.q, True),
-        k=signed(attn.k, False),
-        q_bias=signed(attn.q_bias, True),
-        k_bias=signed(attn.k_bias, False),
-        q_norm=q_norm.with_gain(q_norm.gain * q_scale.to(q_norm.weight), q_norm.bias),
-        k_norm=k_norm.with_gain(k_norm.gain / k_scale.to(k_norm.weight), k_norm.bias),
+    return (
+        *_qk_signs(maps, spec),
+        q_norm.with_gain(q_norm.gain * q_scale.to(q_norm.weight), q_norm.bias),
+        k_norm.with_gain(k_norm.gain / k_scale.to(k_norm.weight), k_norm.bias),
     )
+
+
+def _qk_signs(maps: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signs of diagonal QK maps ``(kv heads, dh, dh)`` per row of ``W_q`` (each query
+    head its group's) and of ``W_k``. Discrete: detached, since their gradient is zero and
+    a sign that asked for one would make the rows it multiplies ask for theirs."""
+    hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
+    sign = torch.sign(maps.diagonal(dim1=-2, dim2=-1)).detach()  # (hkv, dh)
+    return sign[:, None, :].expand(hkv, g, dh).reshape(-1), sign.reshape(-1)
+
+
+def _signed_rows(x: torch.Tensor | None, sign: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (a matrix or a bias) with its rows times ``sign``."""
+    return None if x is None else x * sign.reshape(-1, *([1] * (x.dim() - 1)))
 
 
 def apply_ov_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
@@ -453,3 +512,172 @@ def apply_ov_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Atten
     if attn.v_bias is not None:
         v_bias = torch.einsum("jb,jba->ja", attn.v_bias.reshape(hkv, dh), maps).reshape(-1)
     return replace(attn, v=v.reshape(attn.v.shape), o=o.reshape(d, -1), v_bias=v_bias)
+
+
+# ---- the same symmetries acting on a block's activations ----------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationAction:
+    """A transform's residual map ``Q``, global scale ``g`` and per-head QK and OV maps acting
+    on the activations of a block instead of on its weights (learned matching's mixes: the
+    block runner's ``StreamMaps``). Each projection computes with the weights it holds what it
+    would compute with the moved ones: a reader of the stream ``proj(x·Qᵀ)`` for weights
+    ``W·Q``, a writer ``g·proj(z)·Q`` for ``g·Qᵀ·W`` and ``g·b·Q``, queries ``proj(x)·M`` per
+    head for ``Mᵀ·W_q`` (reference notes §2), so that moving a block costs what its tokens do,
+    not ``d`` times its weights. The norms' vectors move in weight space (:meth:`norms`). Made
+    by :func:`activation_actions`, each layer's maps with their inverses; no permutations
+    (they are matching's, already applied to the weights)."""
+
+    spec: ModelSpec
+    rotation: torch.Tensor | None = None
+    scale: float | torch.Tensor = 1.0
+    #: Per layer, per key/value head ``(kv heads, dh, dh)``: the QK maps (diagonal under a
+    #: QK-norm) and, without a QK-norm, their inverse transposes (what keys are multiplied
+    #: by); the OV maps and their inverses. One tuple of views each, so that a step's
+    #: gradient reaches the stacked maps in one piece, not as a full-size one per layer.
+    qk: tuple[torch.Tensor, ...] | None = None
+    qk_inverse: tuple[torch.Tensor, ...] | None = None
+    ov: tuple[torch.Tensor, ...] | None = None
+    ov_inverse: tuple[torch.Tensor, ...] | None = None
+    #: What readers' inputs and writers' outputs are multiplied by where there is a rotation
+    #: (``Qᵀ``, or ``Qᵀ/g`` with no norm in between; ``g·Q``): made once a step, each a
+    #: ``d × d`` product where scaling every block's activations would be a ``tokens × d`` one.
+    reader: torch.Tensor | None = None
+    writer: torch.Tensor | None = None
+
+    def norms(self, block: Block, layer: int) -> Block:
+        """``block`` (layer ``layer``, its norms absorbed) with its norms as
+        :func:`transform_block` moves them: a bias kept in a pre-norm turns with the stream,
+        post-norm gains move by ``g·|Q|``, QK-norm gains by the QK maps' magnitudes; its
+        projections as they are (:meth:`reads` and the others move them)."""
+        attn = block.attn
+        if self.qk is not None and self.spec.qk_norm != "none":
+            _, _, q_norm, k_norm = _normed_qk_parts(attn, self.spec, self.qk[layer])
+            attn = replace(attn, q_norm=q_norm, k_norm=k_norm)
+        return replace(
+            block,
+            attn_norm=self._pre_norm(block.attn_norm),
+            mlp_norm=self._pre_norm(block.mlp_norm),
+            attn=attn,
+            attn_post_norm=_post_norm(block.attn_post_norm, self),
+            mlp_post_norm=_post_norm(block.mlp_post_norm, self),
+        )
+
+    def _pre_norm(self, norm: Norm | None) -> Norm | None:
+        if norm is None or norm.bias is None or self.rotation is None:
+            return norm
+        return replace(norm, bias=turned(norm.bias, self.rotation))
+
+    def reads(self, x: torch.Tensor) -> torch.Tensor:
+        """What the readers of the stream take for ``x``, the (normalised) stream they read:
+        ``x·Qᵀ``, divided by ``g`` where no norm is in between."""
+        if self.reader is not None:
+            return x @ self.reader
+        return x if self.spec.pre_norms else _scaled(x, self, -1)
+
+    def read(self, piece: str, y: torch.Tensor, layer: int) -> torch.Tensor:
+        """``y``, outputs of reader ``piece`` (``attn.q``, ``attn.k``, ``attn.v``, ``mlp.up``,
+        ``mlp.gate``; its canonical rows last), as the moved weights make them: queries per
+        head times the QK map, keys times its inverse transpose, values times the OV map;
+        under a QK-norm queries and keys times ``g`` and the maps' signs."""
+        if piece in ("attn.q", "attn.k"):
+            query = piece == "attn.q"
+            if self.spec.qk_norm != "none":
+                y = _scaled(y, self, 1)
+                if self.qk is not None:
+                    y = y * _qk_signs(self.qk[layer], self.spec)[0 if query else 1].to(y.dtype)
+            elif self.qk is not None:
+                y = _per_head(y, (self.qk if query else self.qk_inverse)[layer])
+        elif piece == "attn.v" and self.ov is not None:
+            y = _per_head(y, self.ov[layer])
+        return y
+
+    def writes_from(self, piece: str, z: torch.Tensor, layer: int) -> torch.Tensor:
+        """What writer ``piece`` (``attn.o``, ``mlp.down``) takes for its input ``z`` (its
+        canonical columns last): attention outputs per head times the OV map's inverse."""
+        if piece == "attn.o" and self.ov is not None:
+            z = _per_head(z, self.ov_inverse[layer])
+        return z
+
+    def writes(self, y: torch.Tensor) -> torch.Tensor:
+        """What a writer adds to the stream for its output ``y``: ``g·y·Q``."""
+        return _scaled(y, self, 1) if self.writer is None else y @ self.writer
+
+
+def activation_actions(
+    transforms: list[Transform | None], spec: ModelSpec
+) -> list[ActivationAction]:
+    """``transforms`` (residual maps, scales and per-head maps; None: the identity) as
+    :class:`ActivationAction` s on the models of ``spec`` whose mix is run, the first's
+    per-head maps moved onto the others (``M_i·M_0⁻¹``, the first without any): the maps act
+    linearly on the weights and a mix moved by one of them computes what it did, so the mix
+    is the same and its first model's projections run as they are. Every map of every model
+    and layer is inverted in one batched call (a layer without a map has the identity)."""
+    identity = Transform(spec.num_layers)
+    stacked = {
+        (kind, index): maps
+        for kind in ("qk", "ov")
+        for index, t in enumerate(transforms)
+        if (maps := _stacked_maps(t or identity, kind)) is not None
+    }
+    maps = inverses = {}
+    if stacked:
+        every = torch.stack(list(stacked.values()))
+        every = _invertible(every, every)
+        maps = dict(zip(stacked, every.unbind(), strict=True))
+        inverses = dict(zip(stacked, torch.linalg.inv(every).unbind(), strict=True))
+
+    def relative(kind: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Model ``index``'s maps ``M_i·M_0⁻¹`` of ``kind`` and their inverses."""
+        own, first = (kind, index), (kind, 0)
+        if index == 0 or (own not in maps and first not in maps):
+            return None, None
+        if first not in maps:
+            return maps[own], inverses[own]
+        if own not in maps:
+            return inverses[first], maps[first]
+        return maps[own] @ inverses[first], maps[first] @ inverses[own]
+
+    actions = []
+    for index, t in enumerate(transforms):
+        qk, qk_inverse = relative("qk", index)
+        ov, ov_inverse = relative("ov", index)
+        if spec.qk_norm != "none":  # diagonal maps: signs and magnitudes, no inverse
+            qk_inverse = None
+        elif qk_inverse is not None:
+            qk_inverse = qk_inverse.mT
+        t = t or identity
+        layers = [None if x is None else x.unbind() for x in (qk, qk_inverse, ov, ov_inverse)]
+        reader = writer = None
+        if t.rotation is not None:
+            # A product even for a (signed) permutation: telling one apart syncs a GPU.
+            reader = t.rotation.mT if spec.pre_norms else _scaled(t.rotation.mT, t, -1)
+            writer = _scaled(t.rotation, t, 1)
+        actions.append(ActivationAction(spec, t.rotation, t.scale, *layers, reader, writer))
+    return actions
+
+
+def _stacked_maps(t: Transform, kind: str) -> torch.Tensor | None:
+    """The ``kind`` maps (``qk``, ``ov``) of every layer of ``t``, ``(layers, kv, dh, dh)``;
+    None where it has none. Permutations are refused: they belong to the weights."""
+    if any(layer.head_perm is not None or layer.ffn_perm is not None for layer in t.layers):
+        raise ValueError("an activation action has no permutations: apply them to the weights")
+    maps = [getattr(layer, kind) for layer in t.layers]
+    given = next((m for m in maps if m is not None), None)
+    if given is None:
+        return None
+    eye = torch.eye(given.shape[-1], dtype=given.dtype, device=given.device).expand_as(given)
+    return torch.stack([eye if m is None else m for m in maps])
+
+
+def _per_head(y: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
+    """``y`` (heads × dh last) with each head right-multiplied by its key/value head's map
+    (``maps``: ``(kv heads, dh, dh)``; the query heads of a group share their group's), in
+    the maps' precision whatever autocast is on: maps rounded to bf16 doubled a bf16 mix's
+    error on every family (a map that is not orthogonal amplifies its rounding), at a cost
+    ``dh / d`` of the projections'."""
+    heads = y.reshape(*y.shape[:-1], len(maps), -1, maps.shape[-1])
+    with torch.autocast(y.device.type, enabled=False):
+        moved = torch.einsum("...jgb,jba->...jga", heads.to(maps.dtype), maps)
+    return moved.reshape(y.shape)

@@ -42,7 +42,6 @@ from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.symmetry.group import FAMILIES, symmetry_group
 from lmc_mergekit.symmetry.projection import nearest_permutation
 from lmc_mergekit.symmetry.rope import rope_map_from_pairs
-from lmc_mergekit.symmetry.sampling import ones_complement_basis
 from lmc_mergekit.symmetry.transform import LayerTransform, Transform
 
 Parametrization = Literal["polar", "cayley", "matrix_exp", "unconstrained"]
@@ -58,9 +57,27 @@ def skew(a: torch.Tensor) -> torch.Tensor:
 
 def cayley(a: torch.Tensor) -> torch.Tensor:
     """``(I - S)⁻¹(I + S)`` for ``S = skew(a)``: orthogonal, and the identity at ``a = 0``."""
-    s = skew(a)
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(s)
-    return torch.linalg.solve(eye - s, eye + s)
+    return _Cayley.apply(skew(a))
+
+
+class _Cayley(torch.autograd.Function):
+    """``C = (I - S)⁻¹(I + S)`` with a backward that solves nothing: ``C + I = 2(I - S)⁻¹``,
+    so ``dC = ½(I + C)·dS·(I + C)`` and the gradient is ``½(I + C)ᵀ·G·(I + C)ᵀ``: two
+    products where autograd's would solve again (an LU solve per matrix, which stalls for
+    seconds on a CPU shared with other work)."""
+
+    @staticmethod
+    def forward(ctx, s: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device).expand_as(s)
+        c = torch.linalg.solve(eye - s, eye + s)
+        ctx.save_for_backward(c)
+        return c
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (c,) = ctx.saved_tensors
+        plus = (c + torch.eye(c.shape[-1], dtype=c.dtype, device=c.device)).mT
+        return 0.5 * plus @ grad @ plus
 
 
 def orthogonal(a: torch.Tensor, kind: Parametrization) -> torch.Tensor:
@@ -83,6 +100,24 @@ def invertible(rot: torch.Tensor, tri: torch.Tensor, kind: Parametrization) -> t
     if kind == "matrix_exp":
         return torch.linalg.matrix_exp(rot)
     return torch.eye(rot.shape[-1], dtype=rot.dtype, device=rot.device) + rot
+
+
+def ones_reflection(d: int) -> torch.Tensor:
+    """``v`` (float64) of the Householder reflection ``H = I - 2vvᵀ`` that takes ``e_0`` to
+    ``-1/√d`` (all-ones, normalised): ``H``'s other columns are an orthonormal basis ``U`` of
+    the vectors orthogonal to all-ones, the coordinates of the rotations that fix it."""
+    v = torch.full((d,), d**-0.5, dtype=torch.float64)
+    v[0] += 1.0
+    return v / v.norm()
+
+
+def reflected(inner: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``11ᵀ/d + U·inner·Uᵀ = H·diag(1, inner)·H`` for ``H = I - 2vvᵀ`` (:func:`ones_reflection`):
+    the rotation fixing all-ones whose action on its complement is ``inner``, made by
+    rank-one updates (``d²``) where products with ``U`` would cost ``d³`` each."""
+    b = torch.block_diag(inner.new_ones(1, 1), inner)
+    bv, vb = b @ v, v @ b
+    return b - 2 * torch.outer(v, vb) - 2 * torch.outer(bv, v) + 4 * (v @ bv) * torch.outer(v, v)
 
 
 class Diverged(ArithmeticError):
@@ -116,7 +151,7 @@ class LearnedSymmetry(nn.Module):
             self.residual = nn.Parameter(torch.zeros(size, size))
             if fix_ones:
                 # Kept in float64 (module casts leave it alone): written transforms need it exact.
-                self.register_buffer("ones_basis", ones_complement_basis(d), persistent=False)
+                self.register_buffer("ones_reflection", ones_reflection(d), persistent=False)
         if "permutation" in self.families:
             # Scores whose best assignment is the permutation; zero = the identity.
             self.residual_scores = nn.Parameter(torch.zeros(d, d))
@@ -145,11 +180,9 @@ class LearnedSymmetry(nn.Module):
         if "residual" not in self.families:
             return None
         inner = orthogonal(self.residual, self.kind)
-        if not hasattr(self, "ones_basis"):
+        if not hasattr(self, "ones_reflection"):
             return inner
-        d = self.spec.hidden_size
-        u = self.ones_basis.to(inner.dtype)
-        return torch.full((d, d), 1.0 / d, dtype=u.dtype, device=u.device) + u @ inner @ u.T
+        return reflected(inner, self.ones_reflection.to(inner.dtype))
 
     def permutation(self) -> torch.Tensor:
         """The residual (signed) permutation: the best assignment of ``I + scores``, whose

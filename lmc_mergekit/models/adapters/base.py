@@ -35,7 +35,6 @@ from lmc_mergekit.models.view import (
     Norm,
     row_chunks,
     sliced_rows,
-    whole_rows,
 )
 
 # Prepared checkpoints are written in shards of 256 MiB: the writer holds one shard and, while
@@ -203,52 +202,147 @@ class Adapter(ABC):
         max_shard_size: int = DEFAULT_SHARD_SIZE,
         progress: bool = True,
     ) -> ModelSpec:
-        """Write ``view`` as a stock checkpoint of this family into ``folder``, part by part.
-
-        ``source`` supplies config.json (updated from the view's spec), the tokenizer and
-        generation-config files, and the tensors outside the canonical view (copied
-        unchanged). Tied embeddings stay tied only where the written head still equals the
-        written embedding; otherwise the output is untied. Returns the written spec.
-        """
-        spec = view.spec
-        folder.mkdir(parents=True, exist_ok=True)
-        writer = ShardWriter(folder, max_shard_size)
-        tokens = whole_rows(view, "embeddings")
-        writer.write(self.embeddings_tensors(tokens, spec))
-        # Only the token rows are kept for the tie test below: computing them again would cost
-        # a second pass over the vocabulary.
-        tokens = tokens.tokens if spec.tied_embeddings else None
+        """Write ``view`` as a stock checkpoint of this family into ``folder``, part by part
+        (a :class:`CheckpointSaver` fed the view's embeddings, blocks and head in turn).
+        Returns the written spec."""
+        saver = CheckpointSaver(self, folder, source, view.spec, max_shard_size)
+        for chunk in row_chunks(view, "embeddings", VOCAB_ROWS):
+            saver.embeddings(chunk)
         for index in tqdm(
-            range(spec.num_layers), desc=f"writing {folder.name}", disable=not progress
+            range(view.spec.num_layers), desc=f"writing {folder.name}", disable=not progress
         ):
-            writer.write(self.block_tensors(view.block(index), spec, index))
-        head = _tied_head(view, tokens) if spec.tied_embeddings else None
-        if spec.tied_embeddings and head is None:
-            spec = replace(spec, tied_embeddings=False)
-        del tokens
-        writer.write(self.head_tensors(head or view.head(), spec))
-        for name, tensor in self.passthrough(CheckpointReader(source)):
-            writer.write({name: tensor})
-        writer.close()
-        with open(source / "config.json", encoding="utf-8") as fp:
-            config = self.updated_config(json.load(fp), spec)
-        with open(folder / "config.json", "w", encoding="utf-8") as fp:
+            saver.block(index, view.block(index))
+        for chunk in row_chunks(view, "head", VOCAB_ROWS):
+            saver.head(chunk)
+        return saver.close()
+
+
+class CheckpointSaver:
+    """Writes a stock checkpoint of ``adapter``'s family into ``folder`` as its parts are
+    handed in: the embeddings and the head a slice of vocabulary rows at a time (each in
+    order), the blocks one at a time, in any order between them.
+
+    ``source`` supplies config.json (updated from the written spec), the tokenizer and
+    generation-config files, and the tensors outside the canonical view (copied unchanged).
+    Tied embeddings stay tied only where the written head equals the written embedding (each
+    slice compared as it comes: no second vocabulary matrix unless they differ); otherwise the
+    output is untied. With ``verify``, every written tensor is read back and compared, byte
+    for byte, with what was handed in (:meth:`ShardWriter.verify`).
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        folder: Path,
+        source: Path,
+        spec: ModelSpec,
+        max_shard_size: int = DEFAULT_SHARD_SIZE,
+        verify: bool = False,
+    ):
+        self.adapter, self.folder, self.source, self.spec = adapter, folder, source, spec
+        folder.mkdir(parents=True, exist_ok=True)
+        self._writer = ShardWriter(folder, max_shard_size, verify)
+        self._embeddings = _Rows(spec.vocab_size, "tokens")
+        self._head = _Rows(spec.vocab_size, "weight")
+        #: The written token rows while a tied head is compared with them.
+        self._tokens: torch.Tensor | None = None
+        self._tied = spec.tied_embeddings  # until a head slice differs from the tokens
+
+    def embeddings(self, chunk: Embeddings) -> None:
+        """The next slice of the embeddings' vocabulary rows (the other tensors whole); the
+        embeddings are written with the last one."""
+        whole = self._embeddings.add(chunk)
+        if whole is not None:
+            self._writer.write(self.adapter.embeddings_tensors(whole, self.spec))
+            self._tokens = whole.tokens if self._tied else None
+
+    def block(self, index: int, block: Block) -> None:
+        """Block ``index``, written at once."""
+        self._writer.write(self.adapter.block_tensors(block, self.spec, index))
+
+    def head(self, chunk: Head) -> None:
+        """The next slice of the head's vocabulary rows (the final norm whole); the head is
+        written with the last one, tied where every slice equalled the tokens."""
+        if self._tied:
+            start, tokens = self._head.filled, self._tokens
+            stop = start + len(chunk.weight)
+            if (
+                chunk.bias is not None
+                or tokens is None
+                or not torch.equal(chunk.weight, tokens[start:stop])
+            ):
+                # Untied from here on: the slices so far were the tokens.
+                self._tied = False
+                self._head.keep_from(tokens[:start] if tokens is not None else None)
+        whole = self._head.add(chunk, keep=not self._tied)
+        if whole is None:
+            return
+        if self._tied:
+            whole = replace(whole, weight=self._tokens)
+        else:
+            self.spec = replace(self.spec, tied_embeddings=False)
+        self._tokens = None
+        self._writer.write(self.adapter.head_tensors(whole, self.spec))
+
+    def close(self) -> ModelSpec:
+        """Copy the tensors outside the canonical view, finish the shards (and verify them),
+        write config.json and the tag-along files; the written spec."""
+        if not (self._embeddings.done and self._head.done):
+            raise LmcError(f"{self.folder}: the embeddings or the head were not handed in whole")
+        for name, tensor in self.adapter.passthrough(CheckpointReader(self.source)):
+            self._writer.write({name: tensor})
+        self._writer.close()
+        with open(self.source / "config.json", encoding="utf-8") as fp:
+            config = self.adapter.updated_config(json.load(fp), self.spec)
+        with open(self.folder / "config.json", "w", encoding="utf-8") as fp:
             json.dump(config, fp, indent=2, sort_keys=True)
             fp.write("\n")
-        copy_tagalong_files(source, folder)
-        return spec
+        copy_tagalong_files(self.source, self.folder)
+        return self.spec
 
 
-def _tied_head(view: ModelView, tokens: torch.Tensor) -> Head | None:
-    """``view``'s head with ``tokens`` for its weight where its weight equals them (compared
-    a slice of rows at a time: a tie costs no second vocab × d tensor), else None."""
-    head, start = None, 0
-    for chunk in row_chunks(view, "head", VOCAB_ROWS):
-        stop = start + len(chunk.weight)
-        if chunk.bias is not None or not torch.equal(chunk.weight, tokens[start:stop]):
+class _Rows:
+    """A part (embeddings or head) gathered from slices of its vocabulary rows (``field``, and
+    a head's bias), filled in place; the part's other tensors come from its first slice."""
+
+    def __init__(self, count: int, field: str):
+        self.count, self.field, self.filled = count, field, 0
+        self.first = None
+        self.matrix: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.done = False
+
+    def keep_from(self, rows: torch.Tensor | None) -> None:
+        """Keep the slices counted so far after all: they are ``rows``."""
+        if rows is not None and len(rows):
+            self.matrix = rows.new_empty((self.count, *rows.shape[1:]))
+            self.matrix[: len(rows)] = rows
+
+    def add(self, chunk, keep: bool = True):
+        """Take the next slice (its rows only counted unless ``keep``); the whole part once
+        the last one has come (its matrix None if no slice was kept), else None."""
+        piece = getattr(chunk, self.field)
+        start, self.filled = self.filled, self.filled + len(piece)
+        if self.filled > self.count:
+            raise LmcError(f"{self.filled} vocabulary rows handed in for {self.count}")
+        self.first = self.first or chunk
+        if keep:
+            if self.matrix is None:
+                self.matrix = piece.new_empty((self.count, *piece.shape[1:]))
+            self.matrix[start : self.filled] = piece
+            bias = getattr(chunk, "bias", None)
+            if bias is not None:
+                if self.bias is None:
+                    self.bias = bias.new_empty(self.count)
+                self.bias[start : self.filled] = bias
+        if self.filled < self.count:
             return None
-        head, start = head or chunk, stop
-    return None if head is None or stop != len(tokens) else replace(head, weight=tokens)
+        changes = {self.field: self.matrix}
+        if self.bias is not None:
+            changes["bias"] = self.bias
+        part = replace(self.first, **changes)
+        self.first, self.matrix, self.bias, self.done = None, None, None, True
+        return part
 
 
 def first_present(reader: CheckpointReader, names: Iterable[str]) -> str:
