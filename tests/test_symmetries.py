@@ -246,3 +246,52 @@ def test_half_precision_head_maps_are_inverted_in_float32(model_dirs, kind):
     got, expected = act(attn, spec, half), act(attn, spec, half.float())
     for name in ("q", "k", "v", "o"):
         torch.testing.assert_close(getattr(got, name), getattr(expected, name))
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa_tied", "gpt_neox_partial_rotary_parallel"])
+def test_a_bf16_model_moved_in_float32_is_its_float64_move_rounded(model_dirs, variant):
+    """A model stored in bf16 is moved in float32 (twice float64's speed): every tensor it
+    gives is the float64 move of the same stored values rounded once to bf16, but for under
+    one element in a thousand, each a neighbour of that rounding (a float32 error near a
+    rounding boundary) or within float32's error of the tensor's scale (a value that cancels
+    to near zero)."""
+    from lmc_mergekit.models.view import iter_tensors, map_tensors, materialize
+    from lmc_mergekit.symmetry.actions import (
+        compute_dtype,
+        transform_block,
+        transform_embeddings,
+        transform_head,
+    )
+
+    source = open_model(model_dirs[variant])
+    identity = Transform(source.spec.num_layers)
+    stored = materialize(apply_transform(source, identity, torch.bfloat16))
+    transform = random_transform(stored.spec, seed=5)
+    moved = apply_transform(stored, transform)
+    exact = transform.to(torch.float64)
+
+    def in_float64(part):
+        return map_tensors(part, lambda t: t.double() if t.is_floating_point() else t)
+
+    pairs = [
+        (moved.embeddings(), transform_embeddings(in_float64(stored.embeddings()), exact)),
+        (moved.head(), transform_head(in_float64(stored.head()), exact)),
+    ]
+    for index in range(stored.spec.num_layers):
+        block = stored.block(index)
+        assert compute_dtype(block) == torch.float32
+        pairs.append(
+            (moved.block(index), transform_block(in_float64(block), stored.spec, exact, index))
+        )
+    elements = different = 0
+    for got, want in pairs:
+        for (name, tensor), (_, value) in zip(iter_tensors(got), iter_tensors(want), strict=True):
+            assert tensor.dtype == torch.bfloat16, name
+            rounded = value.to(torch.bfloat16)
+            up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+            down = torch.nextafter(rounded, torch.full_like(rounded, float("-inf")))
+            near = (tensor.double() - value).abs() <= 1e-5 * value.abs().max()
+            assert ((tensor == rounded) | (tensor == up) | (tensor == down) | near).all(), name
+            elements += tensor.numel()
+            different += int((tensor != rounded).sum())
+    assert different < elements / 1000, (different, elements)

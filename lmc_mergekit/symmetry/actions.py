@@ -133,8 +133,9 @@ ROW_SLICE = 8192
 def compute_dtype(part) -> torch.dtype:
     """What a part is moved in: float64 where a tensor that products reach (a matrix, a bias)
     is stored in float32 or wider, so that each is its exact transform rounded once; float32
-    where they are all stored in 16 bits (a float32 product's error is far below half a unit
-    of a 16-bit result, and it runs at twice float64's speed). Norm gains, moved only by
+    where they are all stored in 16 bits (the float64 move rounded once but for under one
+    element in a thousand, each a neighbour of it or within float32's error of the tensor's
+    scale; at twice float64's speed). Norm gains, moved only by
     elementwise scales and signed permutations, do not count."""
     wide = any(
         t.is_floating_point() and t.element_size() >= 4 and "norm." not in name
