@@ -135,6 +135,7 @@ def test_barrier_refuses_models_of_different_shapes(trained_pair, model_dirs):
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
 
 
+@pytest.mark.slow
 def test_three_models_are_all_aligned_to_the_first(trained_pair, tmp_path):
     a, b = trained_pair
     scrambled = tmp_path / "scrambled"
@@ -196,6 +197,7 @@ def test_a_base_and_its_finetune_are_merged_as_mergekit_linear_merges_them(
     assert all(torch.equal(merged[k], plain[k]) for k in merged)
 
 
+@pytest.mark.slow
 def test_repair_true_repairs_a_merge_of_one_basin(base_and_finetune, tmp_path):
     """An explicit ``repair: true`` repairs what a base and its fine-tune merge into (kept as
     they are): the report measures the repaired straight path next to the raw one."""

@@ -95,6 +95,7 @@ def test_layout_rebuilds_every_checkpoint_tensor_from_canonical_pieces(variant, 
     assert bool(missing) == view.spec.tied_embeddings
 
 
+@pytest.mark.slow
 def test_merge_happens_in_mergekit_with_per_tensor_weights(pair, tmp_path):
     a, b = pair
     recipe = recipe_for(a, b, noise_floor=True)
@@ -212,6 +213,7 @@ def test_a_tensor_merges_a_slice_at_a_time_as_it_merges_whole(pair, tmp_path, mo
         assert torch.equal(got, (decoded + residual).float()), key
 
 
+@pytest.mark.slow
 def test_self_merge_averages_posterior_samples(tmp_path):
     model = model_with_tokenizer(tmp_path / "m", "llama", seed=0)
 
@@ -235,6 +237,7 @@ def test_self_merge_averages_posterior_samples(tmp_path):
     assert 0 < near < 0.6 * far
 
 
+@pytest.mark.slow
 def test_heterogeneous_merge_decodes_with_the_target_shapes(tmp_path):
     target = model_with_tokenizer(tmp_path / "target", "llama", seed=0)
     vocab = len(make_tokenizer())

@@ -81,6 +81,7 @@ def untimed(record):
     return record
 
 
+@pytest.mark.slow
 def test_mergekit_yaml_runs_a_plugin_recipe_as_lmc_mergekit_yaml_does(pair, tmp_path, monkeypatch):
     """Each with a cache of its own: both run the pass and the measurement."""
     recipe = recipe_file(tmp_path, pair)
@@ -281,14 +282,25 @@ def run_env(hub: Path, cache: Path) -> dict:
     return env
 
 
+#: One shipped recipe of each method, run by the console script: each run is a process start
+#: (most of its ten seconds), and every recipe runs through ``run_merge`` in the wheel test.
+CONSOLE_RECIPES = ("lmc_dm_hub.yml", "ls_merge_self.yml", "subclone_llama_target_config.yml")
+
+
+def console_recipes() -> list[Path]:
+    recipes = [recipe for recipe in plugin_recipes() if recipe.name in CONSOLE_RECIPES]
+    assert len(recipes) == len(CONSOLE_RECIPES), "a console recipe is no longer shipped"
+    return recipes
+
+
 @pytest.fixture(scope="module")
 def console_outputs(standins) -> Path:
-    """Every shipped plugin recipe run by the real ``mergekit-yaml`` of this environment (an
-    editable install in CI): the folder of their outputs, one per recipe."""
+    """One shipped plugin recipe of each method run by the real ``mergekit-yaml`` of this
+    environment (an editable install in CI): the folder of their outputs, one per recipe."""
     workdir, hub = standins
     outputs = workdir.parent / "console"
     script = str(Path(sys.executable).parent / "mergekit-yaml")
-    for recipe in plugin_recipes():
+    for recipe in console_recipes():
         done = subprocess.run(
             [script, recipe.name, str(outputs / recipe.stem)],
             capture_output=True,
@@ -301,8 +313,10 @@ def console_outputs(standins) -> Path:
 
 
 @pytest.mark.slow
-def test_mergekit_yaml_runs_every_shipped_plugin_recipe(console_outputs):
-    for recipe in plugin_recipes():
+def test_mergekit_yaml_runs_a_shipped_plugin_recipe_of_each_method(console_outputs):
+    methods = {yaml.safe_load(r.read_text())["merge_method"] for r in plugin_recipes()}
+    assert {yaml.safe_load(r.read_text())["merge_method"] for r in console_recipes()} == methods
+    for recipe in console_recipes():
         method = plugin_method(yaml.safe_load(recipe.read_text())["merge_method"])
         out = console_outputs / recipe.stem
         assert (out / "config.json").is_file() and (out / method.report.file_name).is_file()
@@ -362,8 +376,8 @@ def test_a_wheel_install_runs_every_shipped_plugin_recipe_through_run_merge(
 ):
     """The built wheel installed alone into a fresh environment (its dependencies reachable
     through a path line, whose own start-up files are not run): its start-up file is what
-    makes mergekit's ``run_merge`` run each recipe, to the same output as the console script
-    of the editable install."""
+    makes mergekit's ``run_merge`` run each recipe (a report and weights each), to the same
+    output as the console script of the editable install where that ran it."""
     workdir, hub = standins
     wheels = tmp_path / "wheels"
     built = subprocess.run(
@@ -440,6 +454,10 @@ def test_a_wheel_install_runs_every_shipped_plugin_recipe_through_run_merge(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     for recipe in plugin_recipes():
+        method = plugin_method(yaml.safe_load(recipe.read_text())["merge_method"])
+        assert (outputs / recipe.stem / method.report.file_name).is_file(), recipe.name
+        assert stored_tensors(outputs / recipe.stem), recipe.name
+    for recipe in console_recipes():
         ours = stored_tensors(outputs / recipe.stem)
         theirs = stored_tensors(console_outputs / recipe.stem)
         assert ours.keys() == theirs.keys() and ours, recipe.name

@@ -146,6 +146,7 @@ def test_one_record_drives_registration_sections_and_the_pipeline():
         assert recipe.method is method and isinstance(recipe.settings, method.settings)
 
 
+@pytest.mark.slow
 def test_changing_only_the_evaluation_reuses_the_prepared_inputs(trained_pair, tmp_path):
     cache = tmp_path / "cache"
 

@@ -203,6 +203,7 @@ def test_a_run_killed_outright_leaves_no_debris_after_the_next_run(tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_cache_entries_get_the_usual_permissions(tmp_path):
     a, b = (model_with_tokenizer(tmp_path / n, "llama", seed=s) for s, n in enumerate("ab"))
     cache = tmp_path / "cache"

@@ -74,6 +74,7 @@ def test_hub_ids_resolve_from_the_cache_offline_and_the_card_names_them(hub, tmp
     assert str(hub) not in card.split("## Pre-merge pass")[0]
 
 
+@pytest.mark.slow
 def test_prepared_inputs_are_keyed_by_the_resolved_commit(hub, tmp_path):
     """Moving ``main`` to a new commit prepares the inputs again; the same commit reuses them."""
     cache = tmp_path / "hub"

@@ -55,6 +55,7 @@ def tied(folder: Path) -> bool:
     return json.loads((folder / "config.json").read_text())["tie_word_embeddings"]
 
 
+@pytest.mark.slow
 def test_an_asked_untie_is_reported_with_the_head_it_adds(tied_pair, tmp_path):
     """Untying widens a pre-norm family's residual group (any rotation): done where asked,
     and the command, the report and the card give what it adds."""
@@ -71,6 +72,7 @@ def test_an_asked_untie_is_reported_with_the_head_it_adds(tied_pair, tmp_path):
     assert f"LM head untied: the merge adds {record['added_parameters']:,} parameters" in output[0]
 
 
+@pytest.mark.slow
 def test_keep_writes_tied_inputs_and_a_tied_merge(tied_pair, tmp_path):
     """The default: tied inputs stay tied through every stage."""
     out = run(tied_pair, tmp_path, one_basin_check=False)
@@ -103,6 +105,7 @@ def tied_and_untied(tied_pair, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("order", ["tied_first", "untied_first"])
 @pytest.mark.parametrize("ties", ["untie", "keep"])
+@pytest.mark.slow
 def test_a_tied_model_and_an_untied_copy_are_aligned_measured_and_merged(
     tied_and_untied, tmp_path, order, ties
 ):
@@ -137,6 +140,7 @@ SECTIONS = {
 
 
 @pytest.mark.parametrize("method", sorted(SECTIONS))
+@pytest.mark.slow
 def test_every_method_merges_a_tied_and_an_untied_input(tied_and_untied, tmp_path, method):
     """A tied model and an untied copy of it: converted or merged like any pair; the output
     keeps a head of its own (the untied input's head is not dropped), and is measured."""
