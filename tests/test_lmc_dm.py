@@ -173,6 +173,7 @@ def base_and_finetune(trained_pair, tmp_path_factory):
 
 
 @pytest.mark.parametrize("matching", ["weights", "activations"])
+@pytest.mark.slow
 def test_a_base_and_its_finetune_are_merged_as_mergekit_linear_merges_them(
     base_and_finetune, tmp_path, matching
 ):

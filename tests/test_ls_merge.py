@@ -156,6 +156,7 @@ def test_bfloat16_checkpoints_merge_and_stay_bfloat16(tmp_path):
     assert {t.dtype for t in stored_tensors(out).values()} == {torch.bfloat16}
 
 
+@pytest.mark.slow
 def test_second_recipe_over_the_same_models_reuses_the_autoencoder(pair, tmp_path):
     a, b = pair
     first = merged_ok(run_yaml(recipe_for(a, b), tmp_path, tmp_path / "one"), tmp_path / "one")

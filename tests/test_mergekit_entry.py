@@ -134,6 +134,7 @@ def test_a_plugin_error_from_run_merge_is_one_line(pair, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_mergekit_yaml_replaces_a_model_folder_and_refuses_any_other(pair, tmp_path):
     recipe = recipe_file(tmp_path, pair)
     out = tmp_path / "out"

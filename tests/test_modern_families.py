@@ -170,6 +170,7 @@ def test_size_conversion_and_latent_merging(with_text, tmp_path, variant):
 
 
 @pytest.mark.parametrize(("variant", "runs"), [("olmo2", "both"), ("qwen3_qk_norm_gqa", "weights")])
+@pytest.mark.slow
 def test_auto_matching_reads_text_where_the_residual_group_is_discrete(
     with_text, tmp_path, variant, runs
 ):
