@@ -30,6 +30,17 @@ plain step measured in the same run (the machine is noisy, ratios less so).
     python benchmarks/scale.py pair [--shape 7b] [--memory-limit GIB] [--rounds N] [--work DIR]
         [--markdown docs/results.md]
 
+    python benchmarks/scale.py heal [--shape 1b] [--hidden 1536 --heads 24 --mlp 4224]
+        [--steps 10] [--work DIR] [--markdown docs/results.md]
+
+Healing at the sizes people shrink: the first model of ``pair``'s ``--shape`` (random bf16)
+converted by ``subclone_compensate`` to ``--hidden`` (``--heads`` query heads, the group size
+kept, MLP ``--mlp``), then ``lmc-mergekit heal`` for ``--steps`` steps (batch 8 × 128 tokens
+of the bundled corpus), by distillation from its donor (the default) and on the text alone,
+each a whole command in a fresh process: seconds a step, the teacher's share, and peak
+anonymous memory against the bound of four times the student in float32 (weights, gradients,
+AdamW's two moments) plus the teacher as stored.
+
 A pair that need not fit in memory: two random bf16 checkpoints of a Llama shape (``7b``:
 Llama-2-7B's configuration, 13.5 GB each; ``1b``: 1.1B, 2.2 GB each; ``250m``), written a
 tensor at a time (never a whole model in memory), merged by mergekit's own ``linear`` and by
@@ -563,6 +574,63 @@ def pair_stages(out: Path, whole: float) -> str:
     )
 
 
+def measure_heal(args) -> None:
+    """A converted model of ``--shape`` healed with and without its donor (see the doc)."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    donor, _ = build_streamed(args.shape, args.work)
+    student = args.work / f"heal-{args.shape}-d{args.hidden}"
+    if not (student / "config.json").is_file():
+        section = {
+            "hidden_size": args.hidden,
+            "num_attention_heads": args.heads,
+            "intermediate_size": args.mlp,
+            "evaluate": False,
+        }
+        merge = {"merge_method": "subclone_compensate", "models": [{"model": str(donor)}]}
+        recipe_file = args.work / f"heal-{args.shape}.yml"
+        recipe_file.write_text(yaml.safe_dump({**merge, "dtype": "bfloat16", "subclone": section}))
+        tool = str(Path(sys.executable).parent / "lmc-mergekit-yaml")
+        cache = args.work / "heal-cache"
+        converted = sampled_run(
+            [tool, str(recipe_file), str(student), "--lmc-cache", str(cache)], None
+        )
+        if converted["code"] != 0:
+            raise SystemExit(f"conversion failed: {converted['tail'][0]}")
+    params = parameter_count(student)
+    teacher = sum(f.stat().st_size for f in donor.glob("*.safetensors"))
+    bound = 4 * 4 * params + teacher
+    lines = [
+        f"{args.shape} donor (random bf16, {gib(teacher)}) converted to d={args.hidden} "
+        f"({params / 1e6:.0f}M parameters, {gib(4 * params)} in float32); {args.steps} steps of "
+        f"`lmc-mergekit heal` (8 × 128 tokens). Bound: 4 × the student in float32 + the teacher "
+        f"as stored = {gib(bound)}.",
+        "",
+        "| heal | seconds a step | teacher's forward, share | peak anonymous | peak RSS (wait4) "
+        "| within the bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for how in ("distilled from the donor", "text alone (--no-teacher)"):
+        out = Path(tempfile.mkdtemp(prefix="healed-", dir=args.work)) / "out"
+        command = [
+            str(Path(sys.executable).parent / "lmc-mergekit"), "heal", str(student), str(out),
+            "--steps", str(args.steps), "--eval-sequences", "8", "--eval-every", str(args.steps),
+            "--lmc-cache", str(args.work / "heal-cache"), "--device", "cpu",
+        ] + ["--no-teacher"] * how.startswith("text")  # fmt: skip
+        row = sampled_run(command, None)
+        if row["code"] != 0:
+            raise SystemExit(f"heal failed: {row['tail'][0]}")
+        record = json.loads((out / "heal.json").read_text())
+        shutil.rmtree(out.parent, ignore_errors=True)
+        share = record["teacher"]["share_of_time"] if record["teacher"] else 0.0
+        lines.append(
+            f"| {how} | {record['wall_time_s'] / args.steps:.1f} | {share:.0%} | "
+            f"{gib(row['anon'])} | {gib(row['rss'])} | {'yes' if row['anon'] <= bound else 'no'} |"
+        )
+        print(lines[-1], flush=True)
+    publish(args, f"heal-{args.shape}", "\n".join(lines))
+
+
 def gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GB"
 
@@ -588,6 +656,14 @@ def main() -> None:
     pair.add_argument("--rounds", type=int, help="most weight-matching rounds of lmc_dm")
     pair.add_argument("--cuda", action="store_true", help="both merges on the GPU")
     add_markdown_option(pair)
+    healing = sub.add_parser("heal")
+    healing.add_argument("--shape", default="1b", choices=list(PAIR_SHAPES))
+    healing.add_argument("--hidden", type=int, default=1536)
+    healing.add_argument("--heads", type=int, default=24)
+    healing.add_argument("--mlp", type=int, default=4224)
+    healing.add_argument("--steps", type=int, default=10)
+    healing.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "lmc-scale")
+    add_markdown_option(healing)
     streamer = sub.add_parser("stream-build-worker")
     streamer.add_argument("shape", choices=list(PAIR_SHAPES))
     streamer.add_argument("work", type=Path)
@@ -627,6 +703,9 @@ def main() -> None:
         return
     if args.command == "pair":
         measure_pair(args)
+        return
+    if args.command == "heal":
+        measure_heal(args)
         return
     args.work.mkdir(parents=True, exist_ok=True)
     lines = [

@@ -5,6 +5,8 @@
     python benchmarks/subclone_real.py race [--targets d384 d192] [--budgets 0 30 100 300]
         [--starts ...] [--work DIR] [--eval-sequences 32] [--markdown docs/results.md]
         [--plot DIR]
+    python benchmarks/subclone_real.py distill [--targets d384] [--steps 30]
+        [--settings 1,1 2,1 1,0.5] [--work DIR] [--markdown docs/results.md]
 
 SmolLM2-135M-Instruct (bf16, built by ``benchmarks/real_pretrained.py``) converted to the
 family's smaller shapes (``d384``: 6/2 heads, MLP 1024, 66M parameters; ``d192``: 3/1 heads,
@@ -29,16 +31,25 @@ sequences of 128 tokens each, zero-shot and after ``--heal-steps`` steps of cont
 losses on both texts measured at every budget (equal tokens: batch 8 × 128 tokens a step).
 The starts: ``compensated`` (the default recipe), ``compensated + rescale`` (``o_down``),
 ``plain selection``, ``torch-pruning (Taylor)`` (a peer tool, where it is installed: see
-``peers.py``) and ``from scratch`` (the same shape, transformers' initialisation, lr 1e-3: a
-from-scratch run at a fine-tuning rate would be a straw man). One run per start, its cosine
-schedule over the largest budget, so a smaller budget is a point of that run. A start already
-healed in ``--work`` for these budgets is read back, not run again.
+``peers.py``), ``from scratch`` (the same shape, transformers' initialisation, lr 1e-3: a
+from-scratch run at a fine-tuning rate would be a straw man), and ``compensated + distilled``
+(the compensated start healed by distillation from SmolLM2, its donor, at the default
+temperature and weight: ``heal``'s default after a conversion). Every other start is healed on
+the text alone. One run per start, its cosine schedule over the largest budget, so a smaller
+budget is a point of that run; the runs keep resumable checkpoints in ``--work``, so an
+interrupted race goes on where it stopped, and a start already healed there for these budgets
+is read back, not run again. The plot has loss against tokens and against training seconds.
+
+``distill`` heals the compensated start for ``--steps`` steps by distillation at each
+``temperature,weight`` of ``--settings`` (and on the text alone, for reference): how the
+defaults were chosen.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -70,8 +81,10 @@ RACE = {
     "plain selection": {"compensate": False, "rescale": "none"},
     "torch-pruning (Taylor)": "peer",
     "from scratch": "scratch",
+    "compensated + distilled": "distilled",
 }
 HEAL_LR, SCRATCH_LR = 3e-4, 1e-3
+TOKENS_PER_STEP = 8 * 128
 
 
 def losses(folder: Path, args) -> dict[str, float]:
@@ -81,11 +94,12 @@ def losses(folder: Path, args) -> dict[str, float]:
 
 
 def healed(
-    folder: Path, out: Path, args, budgets: list[int], lr: float = HEAL_LR
+    folder: Path, out: Path, args, budgets: list[int], lr: float = HEAL_LR, **distillation
 ) -> dict[int, dict]:
     """``folder`` healed into ``out`` for the largest of ``budgets`` steps on both texts'
-    train splits in equal shares (:func:`lmc_mergekit.subclone.heal.heal`, batch 8): its
-    losses on each text's test split at each budget, keyed by step."""
+    train splits in equal shares (:func:`lmc_mergekit.subclone.heal.heal`, batch 8; with
+    ``distillation``, its ``teacher``, ``temperature`` and ``distill_weight``): its losses on
+    each text's test split and its training seconds at each budget, keyed by step."""
     record = heal(
         folder,
         out,
@@ -97,6 +111,7 @@ def healed(
         cache_dir=args.work / "heal-cache",
         overwrite=True,
         progress=False,
+        **distillation,
     )
     return {e["step"]: e for e in record["evaluations"]}
 
@@ -213,9 +228,11 @@ def race(args) -> None:
             if results[start] is None:
                 folder = race_start(source, target, start, slug, args)
                 lr = SCRATCH_LR if RACE[start] == "scratch" else HEAL_LR
-                results[start] = healed(folder, out, args, args.budgets, lr)
+                teacher = {"teacher": source} if RACE[start] == "distilled" else {}
+                results[start] = healed(folder, out, args, args.budgets, lr, **teacher)
             print(f"{target} {start}: {results[start]}", flush=True)
         text = race_table(results, args.budgets, names, target)
+        text += f"\n\nThe donor, SmolLM2-135M-Instruct: {donor_line(source, args)}."
         if "torch-pruning (Taylor)" in starts:
             text += f"\n\ntorch-pruning {peers.version()}: {peer_shape(args.work, target)}."
         publish(args, f"race-{target}", text)
@@ -240,10 +257,10 @@ def race_start(source: Path, target: str, start: str, slug: str, args) -> Path:
     """The folder of ``start``'s model at ``target``: a conversion, a peer's pruning, or the
     shape from scratch (that of the compensated conversion)."""
     how = RACE[start]
-    if how == "scratch":
-        like = args.work / f"{target}-compensated" / "out"
-        if not like.is_dir():
-            _, like = convert(source, target, "compensated", RACE["compensated"], args)
+    if how in ("scratch", "distilled"):
+        like = compensated(source, target, args)
+        if how == "distilled":
+            return like
         return from_scratch(like, args.work / f"{target}-scratch")
     if how == "peer":
         folder = args.work / f"{target}-{slug}"
@@ -255,6 +272,62 @@ def race_start(source: Path, target: str, start: str, slug: str, args) -> Path:
         (folder / "peer.json").write_text(json.dumps(record, indent=2))
         return folder
     return convert(source, target, start, how, args)[1]
+
+
+def compensated(source: Path, target: str, args) -> Path:
+    """The compensated start at ``target`` (converted once, reused)."""
+    folder = args.work / f"{target}-compensated" / "out"
+    if not folder.is_dir():
+        _, folder = convert(source, target, "compensated", RACE["compensated"], args)
+    return folder
+
+
+def donor_line(source: Path, args) -> str:
+    """The donor's losses on both texts."""
+    donor = losses(source, args)
+    return " / ".join(f"{donor[n]:.3f}" for n in TEXTS) + f" ({' / '.join(TEXTS)})"
+
+
+def distill(args) -> None:
+    """The compensated start healed ``--steps`` steps by distillation at each setting, and on
+    the text alone: the losses on both texts and the teacher's share of the time."""
+    source = texts(args)
+    names = list(TEXTS)
+    rows = []
+    for target in args.targets:
+        start = compensated(source, target, args)
+        settings = [None, *[tuple(float(v) for v in s.split(",")) for s in args.settings]]
+        for setting in settings:
+            name = "text alone" if setting is None else f"T={setting[0]:g}, weight={setting[1]:g}"
+            teacher = {}
+            if setting is not None:
+                teacher = {
+                    "teacher": source,
+                    "temperature": setting[0],
+                    "distill_weight": setting[1],
+                }
+            out = args.work / f"{target}-distill-{slug_of(name)}"
+            curve = healed(start, out, args, [0, args.steps], HEAL_LR, **teacher)
+            record = json.loads((out / HEAL_INFO).read_text())
+            share = record["teacher"]["share_of_time"] if record["teacher"] else 0.0
+            after = " / ".join(f"{curve[args.steps][n]:.3f}" for n in names)
+            seconds = record["wall_time_s"] / args.steps
+            rows.append(f"| {target} | {name} | {after} | {seconds:.2f} | {share:.0%} |")
+            print(rows[-1], flush=True)
+    zero = " / ".join(f"{curve[0][n]:.3f}" for n in names)
+    text = "\n".join(
+        [
+            f"The compensated start ({zero} zero-shot at {args.targets[-1]}) after {args.steps} "
+            f"steps of healing (8 × 128 tokens, lr {HEAL_LR:g}); the donor: "
+            f"{donor_line(source, args)}.",
+            "",
+            f"| target | loss | after {args.steps} steps {' / '.join(names)} | seconds a step "
+            "| teacher's forward, share of the time |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    publish(args, "distill", text)
 
 
 def peer_shape(work: Path, target: str) -> str:
@@ -294,17 +367,23 @@ def plot_race(path: Path, results: dict, names: list[str], target: str) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, axes = plt.subplots(1, len(names), figsize=(10, 4), dpi=120, sharey=True)
-    for ax, name in zip(axes, names, strict=True):
+    fig, axes = plt.subplots(2, len(names), figsize=(10, 8), dpi=120, sharey=True)
+    for column, name in enumerate(names):
         for start, losses in results.items():
             steps = sorted(losses)
-            ax.plot(steps, [losses[s][name] for s in steps], marker="o", label=start)
-        ax.set_title(f"{name} test split")
-        ax.set_xlabel("healing steps (8 × 128 tokens each)")
-        ax.set_xscale("symlog", linthresh=30)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("loss (nats per token)")
-    axes[0].legend()
+            tokens = [s * TOKENS_PER_STEP for s in steps]
+            seconds = [losses[s].get("seconds", math.nan) for s in steps]
+            for ax, x in zip(axes[:, column], (tokens, seconds), strict=True):
+                ax.plot(x, [losses[s][name] for s in steps], marker="o", label=start)
+        axes[0, column].set_title(f"{name} test split")
+        axes[0, column].set_xlabel("tokens of healing (8 × 128 a step)")
+        axes[1, column].set_xlabel("seconds of healing (2 CPU cores; teacher's forwards included)")
+        for ax, linthresh in zip(axes[:, column], (30 * TOKENS_PER_STEP, 60), strict=True):
+            ax.set_xscale("symlog", linthresh=linthresh)
+            ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("loss (nats per token)")
+    axes[0, 0].legend()
     fig.suptitle(f"SmolLM2-135M-Instruct → {target}: which start heals best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -330,11 +409,18 @@ def main() -> None:
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--plot", type=Path, default=None, help="folder for race-<target>.png")
     add_markdown_option(p)
+    p = sub.add_parser("distill")
+    p.add_argument("--targets", nargs="+", choices=list(SMALLER), default=["d384"])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--settings", nargs="+", default=["1,1", "2,1", "1,0.5"])
+    p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--eval-sequences", type=int, default=32)
+    add_markdown_option(p)
     args = parser.parse_args()
     args.work = (args.work or Path(tempfile.mkdtemp(dir=cache_root()))).absolute()
     args.work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    {"generalize": generalize, "race": race}[args.command](args)
+    {"generalize": generalize, "race": race, "distill": distill}[args.command](args)
     print(json.dumps({"work": str(args.work)}))
 
 

@@ -15,6 +15,7 @@ import click
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES
 from lmc_mergekit.runtime.locations import default_cache_dir
+from lmc_mergekit.subclone.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT
 from lmc_mergekit.zoo.architectures import ZOO_ARCHITECTURES
 
 # Training steps per zoo model and learned-matching steps of the demo: with its evaluation they
@@ -304,6 +305,28 @@ def zoo_command(
     show_default=True,
     help="Test-split sequences of the data the held-out loss is measured on",
 )
+@click.option(
+    "--teacher",
+    metavar="PATH",
+    default=None,
+    help="Distil from this model (same tokenizer) [default: the donor MODEL's "
+    "subclone_report.json names, where it can be read]",
+)
+@click.option("--no-teacher", is_flag=True, help="Train on the text alone, without distillation")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_TEMPERATURE,
+    show_default=True,
+    help="Softens teacher and student distributions",
+)
+@click.option(
+    "--distill-weight",
+    type=click.FloatRange(0, 1),
+    default=DEFAULT_WEIGHT,
+    show_default=True,
+    help="Share of the loss that is the KL to the teacher (the text's own loss has the rest)",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N]")
 @lmc_cache_option
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists")
@@ -321,6 +344,10 @@ def heal_command(
     seed: int,
     eval_every: int | None,
     eval_sequences: int,
+    teacher: str | None,
+    no_teacher: bool,
+    temperature: float,
+    distill_weight: float,
     device: str,
     lmc_cache: Path | None,
     overwrite: bool,
@@ -328,12 +355,18 @@ def heal_command(
 ) -> None:
     """Train MODEL on for --steps steps and write it to OUT: healing after a size conversion.
 
-    The held-out loss is measured along the way and written with the run's record to
+    A model written by subclone_compensate learns from its donor by default (distillation:
+    the KL to the donor's next-token distribution); --no-teacher trains on the text alone. The
+    held-out loss is measured along the way and written with the run's record to
     OUT/heal.json. Interrupted, the same command resumes from its last checkpoint.
     """
     from lmc_mergekit.data import DataConfig
-    from lmc_mergekit.subclone.heal import heal, heal_steps_to_evaluate
+    from lmc_mergekit.subclone.heal import choose_teacher, heal, heal_steps_to_evaluate
 
+    if teacher is not None and no_teacher:
+        raise LmcError("--teacher and --no-teacher contradict each other; pass one")
+    chosen = choose_teacher(model, teacher, distill=not no_teacher)
+    click.echo(chosen.why, err=True)
     source = None if not data else data[0] if len(data) == 1 else list(data)
     record = heal(
         model,
@@ -350,14 +383,21 @@ def heal_command(
         overwrite=overwrite,
         progress=sys.stderr.isatty(),
         trust_remote_code=trust_remote_code,
+        teacher=chosen.folder,
+        temperature=temperature,
+        distill_weight=distill_weight,
     )
     for evaluation in record["evaluations"]:
         click.echo(f"step {evaluation['step']:>6}: held-out loss {evaluation['test']:.4f}")
     first, last = record["evaluations"][0]["test"], record["evaluations"][-1]["test"]
     resumed = f", resumed at step {record['resumed_at']}" if record["resumed_at"] else ""
+    taught = record["teacher"]
+    teacher_cost = (
+        f"; the teacher's forwards took {taught['share_of_time']:.0%} of the run" if taught else ""
+    )
     click.echo(
         f"wrote {out}: held-out loss {first:.4f} -> {last:.4f} nats after {steps} steps "
-        f"({record['tokens_seen']} tokens{resumed})"
+        f"({record['tokens_seen']} tokens{resumed}{teacher_cost})"
     )
 
 

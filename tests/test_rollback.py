@@ -5,6 +5,7 @@ rolling back a non-finite loss and finishing with finite weights."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,18 +17,18 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.chunks import model_tensors
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.runtime.rollback import EXPLODE_FACTOR, TrainingState
+from lmc_mergekit.runtime.rollback import EXPLODE_FACTOR, KEPT_SNAPSHOTS, SPILLED, TrainingState
 
 
 class _Weights(TrainingState):
     """A training state whose only part is one tensor."""
 
-    def __init__(self, explode_factor: float | None = EXPLODE_FACTOR):
-        super().__init__("toy training", 0.1, 3, "set a smaller lr", explode_factor)
+    def __init__(self, explode_factor: float | None = EXPLODE_FACTOR, spill: Path | None = None):
+        super().__init__("toy training", 0.1, 3, "set a smaller lr", explode_factor, spill)
         self.weight = torch.zeros(3)
 
     def capture(self) -> dict:
-        return {"weight": self.weight.clone()}
+        return {"weight": self.weight}  # live, trained in place: keep() copies or writes it
 
     def apply(self, parts: dict) -> None:
         self.weight = parts["weight"].clone()
@@ -59,14 +60,20 @@ def test_only_non_finite_losses_diverge_without_an_explode_factor():
     assert not state.diverged(100.0) and state.diverged(math.nan)
 
 
-def test_a_rollback_restores_the_last_snapshot_with_half_the_rate_and_stops_in_the_end():
-    state = _Weights()
+@pytest.mark.parametrize("spilled", [False, True], ids=["in memory", "on disk"])
+def test_a_rollback_restores_the_last_snapshot_with_half_the_rate_and_stops_in_the_end(
+    tmp_path, spilled
+):
+    state = _Weights(spill=tmp_path if spilled else None)
     state.keep()  # step 0
     state.weight += 1
     state.accept(1.0)
     state.keep()  # step 1
     state.weight += 1
     state.accept(1.0)
+    if spilled:  # the snapshots are files; memory holds their steps only
+        assert len(list(tmp_path.iterdir())) == 2
+        assert all(set(kept) == {"step", SPILLED} for kept in state.kept)
     state.roll_back(2, math.nan)
     assert state.step == 1 and torch.equal(state.weight, torch.ones(3))
     assert state.lr_scale == 0.5 and len(state.rollbacks) == 1
@@ -78,6 +85,19 @@ def test_a_rollback_restores_the_last_snapshot_with_half_the_rate_and_stops_in_t
     state.roll_back(0, math.inf)
     with pytest.raises(LmcError, match=r"toy training diverged 4 times .* set a smaller lr"):
         state.roll_back(0, math.inf)
+    state.forget_kept()
+    assert not any(tmp_path.iterdir())
+
+
+def test_spilled_snapshots_beyond_the_kept_ones_leave_the_disk(tmp_path):
+    state = _Weights(spill=tmp_path)
+    for _ in range(KEPT_SNAPSHOTS + 3):
+        state.keep()
+        state.weight += 1
+        state.accept(1.0)
+    assert len(list(tmp_path.iterdir())) == KEPT_SNAPSHOTS
+    state.roll_back(state.step, math.nan)
+    assert torch.equal(state.weight, torch.full((3,), float(KEPT_SNAPSHOTS + 2)))
 
 
 def test_a_held_out_rise_goes_back_to_the_best_state_and_the_end_keeps_it():

@@ -164,8 +164,8 @@ class _AutoencoderState(TrainingState):
 
     def capture(self) -> dict:
         return {
-            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
             "rng": torch.get_rng_state(),
             "history": list(self.history),

@@ -416,8 +416,8 @@ class _State(TrainingState):
 
     def capture(self) -> dict:
         return {
-            "symmetries": {k: v.clone() for k, v in self.objective.symmetries.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "symmetries": self.objective.symmetries.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
         }
 
     def apply(self, parts: dict) -> None:

@@ -88,6 +88,21 @@ def discard(folder: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+@contextmanager
+def scratch_folder(parent: Path, name: str) -> Iterator[Path]:
+    """A private folder in ``parent`` for this process's working files, named like a staging
+    folder (so that the one of a killed run is swept, here by the next run using ``name``),
+    removed on exit."""
+    parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(parent, name)
+    prefix = f".{name}{STAGING_MARK}{_host()}-{os.getpid()}-"
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _put_back(previous: Path, out: Path) -> None:
     """Rename a folder a killed run had moved aside back to ``out``, unless ``out`` exists."""
     if (previous.exists() or previous.is_symlink()) and not (out.exists() or out.is_symlink()):

@@ -3,8 +3,11 @@
 A loop's :class:`TrainingState` holds the step, the accepted losses, the learning-rate scale and
 the rollbacks so far, next to the loop's own parts (its model or parameters, optimiser, random
 generators: :meth:`TrainingState.capture` and :meth:`TrainingState.apply`). Its snapshots are
-kept in memory as rollback targets, and the newest is what the loop writes as its resumable
-checkpoint (:mod:`lmc_mergekit.runtime.resumable`), so a resumed run knows its rollbacks too.
+kept as rollback targets, and the newest is what the loop writes as its resumable checkpoint
+(:mod:`lmc_mergekit.runtime.resumable`), so a resumed run knows its rollbacks too. A loop whose
+parts are small keeps its snapshots in memory; a model's training (model and AdamW state:
+12 bytes a parameter, 12 GB a snapshot at 1B) writes them to files in a ``spill`` folder and
+holds none, so rollback costs disk, not memory.
 
 A non-finite loss, or one that explodes, sends the loop back to the last snapshot with half the
 learning rate (one further back if it fails again from there); after ``max_rollbacks`` the run
@@ -22,14 +25,20 @@ never worse than the matching it started from).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.resumable import load_state, save_state
+
+#: The key of a kept snapshot written to a file: its path.
+SPILLED = "spilled"
 
 #: A step whose loss exceeds this multiple of the largest recent loss counts as exploding.
 EXPLODE_FACTOR = 2.0
@@ -70,7 +79,8 @@ class TrainingState:
 
     ``what`` names the loop in the error after too many rollbacks and ``fix`` says what to do
     then; ``explode_factor`` None counts only non-finite losses as divergence (for a loss that
-    legitimately jumps, like the autoencoder's when its KL term switches on)."""
+    legitimately jumps, like the autoencoder's when its KL term switches on); with ``spill``
+    (an existing folder) the kept snapshots are files there, not copies in memory."""
 
     def __init__(
         self,
@@ -79,9 +89,12 @@ class TrainingState:
         max_rollbacks: int,
         fix: str,
         explode_factor: float | None = EXPLODE_FACTOR,
+        spill: Path | None = None,
     ):
         self.what, self.lr, self.max_rollbacks, self.fix = what, lr, max_rollbacks, fix
         self.explode_factor = explode_factor
+        self.spill = spill
+        self._written = 0
         self.step = 0
         self.lr_scale = 1.0
         self.losses: list[float] = []
@@ -94,7 +107,8 @@ class TrainingState:
         self.stopped = False
 
     def capture(self) -> dict:
-        """Copies of the loop's own parts (a snapshot must not change as training goes on)."""
+        """The loop's own parts as they are now (live tensors: :meth:`keep` copies or writes
+        them)."""
         raise NotImplementedError
 
     def apply(self, parts: dict) -> None:
@@ -128,9 +142,21 @@ class TrainingState:
         self.apply(snapshot)
 
     def keep(self) -> dict:
-        """Take a snapshot and keep it as a rollback target."""
-        self.kept.append(self.snapshot())
-        return self.kept[-1]
+        """Take a snapshot and keep it as a rollback target: a copy in memory or, with a
+        ``spill`` folder, a file there. Returns the snapshot of the live parts (to be saved
+        before training goes on)."""
+        snapshot = self.snapshot()
+        if self.spill is None:
+            kept = copy.deepcopy(snapshot)
+        else:
+            path = self.spill / f"snapshot-{self._written}.pt"
+            self._written += 1
+            torch.save(snapshot, path)
+            kept = {"step": snapshot["step"], SPILLED: path}
+        if len(self.kept) == self.kept.maxlen:
+            _forget(self.kept[0])
+        self.kept.append(kept)
+        return snapshot
 
     def accept(self, loss: float) -> None:
         """Count a step that ended with the (not diverged) ``loss``."""
@@ -154,7 +180,7 @@ class TrainingState:
         :meth:`roll_back` with ``to_best``)."""
         self.scores.append([self.step, score])
         if self.best is None or score < self.best["score"]:
-            self.best = {**self._progress(), "score": score}
+            self.best = copy.deepcopy({**self._progress(), "score": score})
             return True
         return score <= self.best["score"] * (1 + RISE_TOLERANCE)
 
@@ -179,8 +205,8 @@ class TrainingState:
         one-line error."""
         if self.rollbacks and self.rollbacks[-1]["back_to"] == self.kept[-1]["step"]:
             if len(self.kept) > 1:
-                self.kept.pop()
-        saved = self.best if to_best else self.kept[-1]
+                _forget(self.kept.pop())
+        saved = self.best if to_best else _read(self.kept[-1])
         record = {"step": step, "loss": loss, "back_to": saved["step"]}
         if to_best:
             record["held_out"] = True
@@ -198,6 +224,11 @@ class TrainingState:
         self.restore(saved)
         self.rollbacks, self.lr_scale = rollbacks, scale
 
+    def forget_kept(self) -> None:
+        """Drop every kept snapshot (their files too): at the end of a run."""
+        while self.kept:
+            _forget(self.kept.pop())
+
     def save(self, path: Path, identity, snapshot: dict) -> None:
         """Write ``snapshot`` as the resumable checkpoint of the run ``identity``."""
         save_state(path, identity, snapshot)
@@ -212,3 +243,16 @@ class TrainingState:
             return None
         self.restore(saved)
         return self.step
+
+
+def _read(kept: dict) -> dict:
+    """A kept snapshot, read back from its file where it was spilled."""
+    if SPILLED not in kept:
+        return kept
+    return torch.load(kept[SPILLED], map_location="cpu", weights_only=False)
+
+
+def _forget(kept: dict) -> None:
+    """Remove a kept snapshot's file, if it has one."""
+    if SPILLED in kept:
+        Path(kept[SPILLED]).unlink(missing_ok=True)

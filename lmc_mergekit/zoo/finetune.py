@@ -4,6 +4,7 @@ made here from any model (a zoo model in the tests, a real pretrained one in the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,18 +66,22 @@ def train_checkpoint(
     existing: Existing = "refuse",
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
+    before_write: Callable[[dict], None] | None = None,
     **loop,
 ) -> dict:
     """Train the checkpoint ``base`` on the sequences ``train`` with the tool's one training
     loop (float32; ``loop``: :func:`continue_training`'s settings, warm-up over a tenth by
     default) and write it to ``out`` in ``base``'s dtype with its tokenizer files and the run's
-    record (``info`` and the loop's) as ``info_file``; staged, and refused with nothing written
-    if a value is not finite. Returns the record."""
+    record (``info`` and the loop's, completed by ``before_write`` where given) as
+    ``info_file``; staged, and refused with nothing written if a value is not finite. Returns
+    the record."""
     model = AutoModelForCausalLM.from_pretrained(
         str(base), dtype=torch.float32, trust_remote_code=trust_remote_code, use_kernels=False
     ).to(device)
     loop.setdefault("warmup", loop["steps"] // 10)
     record = {**info, **continue_training(model, train, **loop)}
+    if before_write is not None:
+        before_write(record)
     with staged_folder(out, existing) as staging:
         model.to(stored_dtype(base)).save_pretrained(staging)
         copy_tagalong_files(base, staging)

@@ -8,6 +8,7 @@ gives the same weights, bit for bit, on the same machine and software.
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from lmc_mergekit.data.sequences import DataConfig, load_split
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import DEFAULT_EVAL_SEQUENCES, mean_token_loss
+from lmc_mergekit.runtime.publish import scratch_folder
 from lmc_mergekit.runtime.rollback import TrainingState, rollbacks_for_json
 from lmc_mergekit.runtime.schedule import warmup_cosine
 
@@ -33,7 +35,7 @@ CHECKPOINT_EVERY = 100
 #: Rollbacks after a diverged step before the training stops with an error.
 MAX_ROLLBACKS = 3
 #: Bumped when the checkpoint's contents change: an older checkpoint is not resumed.
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 
 
 def train_model(
@@ -114,6 +116,7 @@ def continue_training(
     checkpoint: Path | None = None,
     identity=None,
     checkpoint_every: int = CHECKPOINT_EVERY,
+    objective: Objective | None = None,
 ) -> dict:
     """Train ``model`` in place for ``steps`` AdamW steps on batches of the ``(n, length)``
     sequences ``train`` and leave it in eval mode; return a record of the run.
@@ -130,15 +133,47 @@ def continue_training(
     the learning rate (:mod:`lmc_mergekit.runtime.rollback`). Every ``checkpoint_every`` steps
     a snapshot is kept and, with ``checkpoint``, saved there under ``identity`` (everything
     that defines the run besides these settings); an interrupted run given the same file and
-    identity resumes from it, to the same weights, and the file is removed at the end.
+    identity resumes from it, to the same weights, and the file is removed at the end. The kept
+    snapshots are files (beside ``checkpoint``, else in the system's temporary folder), so a
+    large model's rollback costs disk, not memory.
+
+    ``objective(model, batch)`` computes a step's loss, accumulates its gradient and returns its
+    value (default :func:`next_token_step`, the text's next-token loss).
     """
+    spill_parent = Path(tempfile.gettempdir()) if checkpoint is None else checkpoint.parent
+    with scratch_folder(spill_parent, "snapshots") as spill:
+        return _train(
+            model, train, spill, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
+            warmup=warmup, progress=progress, desc=desc, after_step=after_step,
+            evaluate=evaluate, evaluate_at=evaluate_at, checkpoint=checkpoint,
+            identity=identity, checkpoint_every=checkpoint_every,
+            objective=objective or next_token_step,
+        )  # fmt: skip
+
+
+#: One step's loss: computed on ``(model, batch)``, its gradient accumulated, its value returned.
+Objective = Callable[[PreTrainedModel, torch.Tensor], float]
+
+
+def next_token_step(model: PreTrainedModel, batch: torch.Tensor) -> float:
+    """The mean next-token loss of ``model`` on ``batch``, backpropagated; its value."""
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    return loss.item()
+
+
+def _train(
+    model, train, spill: Path, *, seed, steps, batch_size, lr, warmup, progress, desc,
+    after_step, evaluate, evaluate_at, checkpoint, identity, checkpoint_every, objective,
+) -> dict:  # fmt: skip
+    """:func:`continue_training`'s loop, its kept snapshots written to ``spill``."""
     warmup = max(0, min(warmup, steps // 5))
     device = next(model.parameters()).device
     model.train()
     train = train.to(device)
     optimizer = _adamw(model, lr)
     batches = _Batches(len(train), batch_size, seed)
-    state = _ModelState(model, optimizer, batches, lr)
+    state = _ModelState(model, optimizer, batches, lr, spill)
     settings = {"seed": seed, "steps": steps, "batch": batch_size, "lr": lr, "warmup": warmup}
     identity = {"run": identity, "settings": settings, "format": STATE_FORMAT}
     start = state.load(checkpoint, identity) or 0  # None also for a checkpoint of another run
@@ -149,7 +184,8 @@ def continue_training(
     def evaluate_if_due(step: int) -> None:
         # A resumed run has the evaluations its checkpoint holds: each step is measured once.
         if step in evaluate_at and step not in state.evaluated:
-            state.evaluations.append({"step": step, **evaluate(model)})
+            seconds = round(state.train_seconds, 2)  # of training so far, not evaluating
+            state.evaluations.append({"step": step, "seconds": seconds, **evaluate(model)})
             model.train()
 
     bar = tqdm(total=steps, initial=start, desc=desc, unit="step", disable=not progress)
@@ -157,22 +193,22 @@ def continue_training(
     while state.step < steps:
         step = state.step
         evaluate_if_due(step)
+        stepped = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr * warmup_cosine(step, steps, warmup, MIN_LR_FRACTION) * state.lr_scale
         batch = train[batches.next().to(device)]
-        loss = model(input_ids=batch, labels=batch).loss
-        value = loss.item()
+        value = objective(model, batch)
         if state.diverged(value):
-            state.roll_back(step, value)
             optimizer.zero_grad(set_to_none=True)
+            state.roll_back(step, value)
             bar.n = state.step
             bar.refresh()
             continue
-        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state.accept(value)
+        state.train_seconds += time.perf_counter() - stepped
         bar.update()
         if state.step % checkpoint_every == 0 and state.step < steps:
             snapshot = state.keep()
@@ -189,6 +225,7 @@ def continue_training(
             )
     bar.close()
     evaluate_if_due(steps)
+    state.forget_kept()
     wall = time.perf_counter() - started
     model.eval()
     if checkpoint is not None:
@@ -225,10 +262,12 @@ class _ModelState(TrainingState):
     """A model training's state: the weights, the optimiser, the batch order and the held-out
     evaluations so far."""
 
-    def __init__(self, model, optimizer, batches: _Batches, lr: float):
-        super().__init__("training", lr, MAX_ROLLBACKS, "set a smaller learning rate")
+    def __init__(self, model, optimizer, batches: _Batches, lr: float, spill: Path):
+        super().__init__("training", lr, MAX_ROLLBACKS, "set a smaller learning rate", spill=spill)
         self.model, self.optimizer, self.batches = model, optimizer, batches
         self.evaluations: list[dict] = []
+        #: Seconds of the accepted steps so far (resumed runs go on counting).
+        self.train_seconds = 0.0
 
     @property
     def evaluated(self) -> set[int]:
@@ -236,11 +275,12 @@ class _ModelState(TrainingState):
 
     def capture(self) -> dict:
         return {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
             "batches": self.batches.capture(),
             "rng": torch.get_rng_state(),
             "evaluations": [dict(e) for e in self.evaluations],
+            "train_seconds": self.train_seconds,
         }
 
     def apply(self, parts: dict) -> None:
@@ -249,6 +289,7 @@ class _ModelState(TrainingState):
         self.batches.restore(parts["batches"])
         torch.set_rng_state(parts["rng"])
         self.evaluations = [dict(e) for e in parts["evaluations"]]
+        self.train_seconds = parts["train_seconds"]
 
 
 def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:

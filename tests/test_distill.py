@@ -1,0 +1,166 @@
+"""Healing by distillation from the donor: the chunked loss is the whole-logits loss, the
+teacher is the converted model's donor by default (and refused when its tokens differ), a
+distilled heal moves toward its donor, and rollback and resume stay exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from test_heal import Interrupted, heal_args, stop_after
+from tiny_models import build_model
+from tokenizer_helpers import model_with_tokenizer
+from transformers import AutoModelForCausalLM
+
+import lmc_mergekit.models.block_runner as block_runner
+import lmc_mergekit.zoo.finetune as finetuning
+from lmc_mergekit.cli import main
+from lmc_mergekit.data import bundled_text_files
+from lmc_mergekit.subclone.distill import Distillation
+from lmc_mergekit.subclone.heal import HEAL_INFO, SUBCLONE_REPORT, choose_teacher
+
+
+def whole_logits_loss(student, teacher, ids, temperature, weight, cap):
+    """The reference: both models' whole logits, ``F.kl_div`` and ``F.cross_entropy``."""
+    logits = student(input_ids=ids).logits[:, :-1].float()
+    with torch.no_grad():  # the teacher's head in float32, as the chunked loss reads it
+        states = teacher.base_model(input_ids=ids).last_hidden_state[:, :-1].float()
+        taught = states @ teacher.get_output_embeddings().weight.float().T
+        taught = cap * torch.tanh(taught / cap) if cap else taught
+    kl = F.kl_div(
+        F.log_softmax(logits / temperature, -1),
+        F.log_softmax(taught / temperature, -1),
+        log_target=True,
+        reduction="none",
+    ).sum(-1)
+    text = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return weight * temperature**2 * kl.mean() + (1 - weight) * text
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma2_softcap_windows", "gpt2_tied"])
+@pytest.mark.parametrize(("temperature", "weight"), [(1.0, 1.0), (2.0, 0.5)])
+def test_chunked_distillation_equals_the_whole_logits_loss(
+    tmp_path, monkeypatch, variant, temperature, weight
+):
+    student = AutoModelForCausalLM.from_pretrained(build_model(variant, tmp_path / "s", seed=0))
+    teacher = AutoModelForCausalLM.from_pretrained(
+        build_model(variant, tmp_path / "t", seed=1), dtype=torch.bfloat16
+    )
+    ids = torch.randint(0, student.config.vocab_size, (3, 12))
+    cap = getattr(student.config, "final_logit_softcapping", None)
+    # Five tokens a chunk: 33 predicted tokens run in seven chunks.
+    monkeypatch.setattr(block_runner, "LOGITS_BYTES", 4 * student.config.vocab_size * 5)
+    loss = Distillation(teacher, temperature, weight, (cap, cap)).loss(student, ids)
+    loss.backward()
+    chunked = {name: p.grad.clone() for name, p in student.named_parameters()}
+    student.zero_grad()
+    reference = whole_logits_loss(student, teacher, ids, temperature, weight, cap)
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for name, param in student.named_parameters():
+        torch.testing.assert_close(chunked[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny bf16 donor and a student of its tokenizer (another random draw: it starts far
+    from the donor), and a model of another tokenizer."""
+    root = tmp_path_factory.mktemp("distill")
+    folders = {
+        "donor": model_with_tokenizer(root / "donor", seed=0),
+        "student": model_with_tokenizer(root / "student", seed=1),
+        "other": model_with_tokenizer(root / "other", seed=2, book=1),
+    }
+    for folder in folders.values():
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        model.to(torch.bfloat16).save_pretrained(folder)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "excerpt.txt"
+    path.write_text(bundled_text_files()[0].read_text(encoding="utf-8")[:40_000])
+    return path
+
+
+def name_donor(student: Path, donor: Path | str) -> None:
+    """What a ``subclone_compensate`` merge writes beside its model: the report naming its
+    donor."""
+    report = {"donors": [{"donor": str(donor), "conversion": {}}]}
+    (student / SUBCLONE_REPORT).write_text(json.dumps(report))
+
+
+def test_the_teacher_is_the_donor_the_report_names_and_heal_says_why_not(models, tmp_path):
+    student = models["student"]
+    assert choose_teacher(student, None).folder is None  # no report: the text alone
+    assert "no subclone_report.json" in choose_teacher(student, None).why
+    name_donor(models["student"], models["donor"])
+    try:
+        chosen = choose_teacher(student, None)
+        assert chosen.folder == models["donor"] and "its donor" in chosen.why
+        assert choose_teacher(student, None, distill=False).folder is None
+        assert choose_teacher(student, str(models["other"])).folder == models["other"]
+        name_donor(models["student"], tmp_path / "moved-away")
+        gone = choose_teacher(student, None)
+        assert gone.folder is None and "cannot be read here" in gone.why
+    finally:
+        (models["student"] / SUBCLONE_REPORT).unlink()
+
+
+def test_a_teacher_of_another_tokenizer_is_refused_before_any_step(models, text, tmp_path):
+    out = tmp_path / "out"
+    args = heal_args(models["student"], out, text, "--teacher", str(models["other"]))
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    line = result.output.strip().splitlines()[-1]
+    assert "another vocabulary" in line and "--no-teacher" in line
+    assert "held-out loss" not in result.output and not out.exists()
+
+
+def kl_to(teacher: Path, student: Path, ids: torch.Tensor) -> float:
+    taught = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.bfloat16)
+    return Distillation(taught).kl(AutoModelForCausalLM.from_pretrained(student), ids)
+
+
+def test_a_distilled_heal_moves_toward_its_donor_and_resumes_exactly(
+    models, text, tmp_path, monkeypatch
+):
+    name_donor(models["student"], models["donor"])
+    try:
+        distilled, plain = tmp_path / "distilled", tmp_path / "plain"
+        taught = CliRunner().invoke(main, heal_args(models["student"], distilled, text))
+        assert taught.exit_code == 0, taught.output
+        assert "distilling from its donor" in taught.output
+        alone = CliRunner().invoke(main, heal_args(models["student"], plain, text, "--no-teacher"))
+        assert alone.exit_code == 0, alone.output
+
+        # Interrupted after step 6, the same command resumes there to the same weights.
+        interrupted = tmp_path / "interrupted"
+        train = finetuning.continue_training
+        stopped = stop_after(6)
+        monkeypatch.setattr(
+            finetuning, "continue_training", lambda *a, **k: train(*a, **k, after_step=stopped)
+        )
+        failed = CliRunner().invoke(main, heal_args(models["student"], interrupted, text))
+        assert isinstance(failed.exception, Interrupted) and not interrupted.exists()
+        monkeypatch.setattr(finetuning, "continue_training", train)
+        resumed = CliRunner().invoke(main, heal_args(models["student"], interrupted, text))
+        assert "resumed at step 6" in resumed.output, resumed.output
+    finally:
+        (models["student"] / SUBCLONE_REPORT).unlink()
+    record = json.loads((distilled / HEAL_INFO).read_text())
+    assert record["teacher"]["model"] == str(models["donor"])
+    assert record["teacher"]["forward_seconds"] > 0
+    assert json.loads((plain / HEAL_INFO).read_text())["teacher"] is None
+    ids = torch.randint(0, 300, (8, 32), generator=torch.Generator().manual_seed(5))
+    start = kl_to(models["donor"], models["student"], ids)
+    after = {name: kl_to(models["donor"], tmp_path / name, ids) for name in ("distilled", "plain")}
+    assert after["distilled"] < start and after["distilled"] < after["plain"]
+    whole, again = (load_file(f / "model.safetensors") for f in (distilled, interrupted))
+    assert all(torch.equal(whole[n], again[n]) for n in whole)
