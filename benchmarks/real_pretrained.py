@@ -36,7 +36,8 @@ tokens). Losses are mean next-token nats.
   text.
 - ``subclone``: ``subclone_compensate`` to two smaller shapes of the family, compensated and
   plain selection (``compensate: false, rescale: none``); zero-shot and after ``--heal-steps``
-  steps of ``lmc-mergekit heal`` on the bundled corpus (batch 8, lr 3e-4).
+  steps of ``lmc-mergekit heal`` on the bundled corpus (batch 8, lr 3e-4; its default since
+  b723c7a: distilled from SmolLM2, the donor both conversions name).
 - ``ls_merge``: a self-merge of 4 posterior samples (``samples: 4``, no noise floor): the
   merged model's loss next to the model's.
 """

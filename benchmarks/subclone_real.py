@@ -309,9 +309,10 @@ def distill(args) -> None:
             out = args.work / f"{target}-distill-{slug_of(name)}"
             curve = healed(start, out, args, [0, args.steps], HEAL_LR, **teacher)
             record = json.loads((out / HEAL_INFO).read_text())
-            share = record["teacher"]["share_of_time"] if record["teacher"] else 0.0
+            trained = curve[args.steps]["seconds"]  # the steps' own, not evaluating or saving
+            share = record["teacher"]["forward_seconds"] / trained if record["teacher"] else 0.0
             after = " / ".join(f"{curve[args.steps][n]:.3f}" for n in names)
-            seconds = record["wall_time_s"] / args.steps
+            seconds = trained / args.steps
             rows.append(f"| {target} | {name} | {after} | {seconds:.2f} | {share:.0%} |")
             print(rows[-1], flush=True)
     zero = " / ".join(f"{curve[0][n]:.3f}" for n in names)
@@ -322,7 +323,7 @@ def distill(args) -> None:
             f"{donor_line(source, args)}.",
             "",
             f"| target | loss | after {args.steps} steps {' / '.join(names)} | seconds a step "
-            "| teacher's forward, share of the time |",
+            "| teacher's forward, share of a step |",
             "|---|---|---|---|---|",
             *rows,
         ]

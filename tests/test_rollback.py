@@ -17,6 +17,7 @@ from lmc_mergekit.errors import LmcError
 from lmc_mergekit.latent.chunks import model_tensors
 from lmc_mergekit.latent.training import TrainingConfig, autoencoder_config_for, train_autoencoder
 from lmc_mergekit.models.adapters import open_model
+from lmc_mergekit.runtime.resumable import load_state
 from lmc_mergekit.runtime.rollback import EXPLODE_FACTOR, KEPT_SNAPSHOTS, SPILLED, TrainingState
 
 
@@ -98,6 +99,11 @@ def test_spilled_snapshots_beyond_the_kept_ones_leave_the_disk(tmp_path):
     assert len(list(tmp_path.iterdir())) == KEPT_SNAPSHOTS
     state.roll_back(state.step, math.nan)
     assert torch.equal(state.weight, torch.full((3,), float(KEPT_SNAPSHOTS + 2)))
+    # The resumable checkpoint is the newest spilled snapshot, linked, not written again.
+    checkpoint = tmp_path.parent / "state.pt"
+    state.save(checkpoint, None, state.keep())
+    assert checkpoint.stat().st_ino == Path(state.kept[-1][SPILLED]).stat().st_ino
+    assert load_state(checkpoint, None)["step"] == state.step
 
 
 def test_a_held_out_rise_goes_back_to_the_best_state_and_the_end_keeps_it():

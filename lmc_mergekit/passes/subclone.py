@@ -39,6 +39,7 @@ from lmc_mergekit.subclone.convert import (
     compensation_features,
     convert_model,
 )
+from lmc_mergekit.subclone.heal import SUBCLONE_REPORT
 from lmc_mergekit.subclone.target import resolve_target
 
 # Self-check probe: the first calibration sequences, cut to this many tokens.
@@ -141,9 +142,10 @@ class SubclonePreparation(Record):
 
 
 class SubcloneReport(Report):
-    """``subclone_report.json``."""
+    """``subclone_report.json`` (:data:`~lmc_mergekit.subclone.heal.SUBCLONE_REPORT`: healing
+    reads the donor it names)."""
 
-    file_name: ClassVar[str] = "subclone_report.json"
+    file_name: ClassVar[str] = SUBCLONE_REPORT
     omit_if_none: ClassVar[tuple[str, ...]] = ("merged",)
 
     method: str = "subclone_compensate"

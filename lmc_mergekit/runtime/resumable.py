@@ -8,6 +8,7 @@ instead of resuming someone else's run; a kill mid-write leaves the previous fil
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,6 +22,20 @@ def save_state(path: Path, identity, state: dict) -> None:
     # A name of this process's own: two writers never interleave one file.
     partial = path.with_suffix(f"{path.suffix}.partial-{os.getpid()}")
     torch.save({IDENTITY: identity, **state}, partial)
+    os.replace(partial, path)
+
+
+def link_state(source: Path, path: Path) -> None:
+    """Make ``path`` the state file ``source`` (written by :func:`save_state`) too: a hard
+    link, replacing ``path`` atomically (a copy where the file system has no links), so a state
+    already on disk is not written twice."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f"{path.suffix}.partial-{os.getpid()}")
+    partial.unlink(missing_ok=True)
+    try:
+        os.link(source, partial)
+    except OSError:
+        shutil.copyfile(source, partial)
     os.replace(partial, path)
 
 

@@ -35,7 +35,7 @@ import torch
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.runtime.distributed import Processes
-from lmc_mergekit.runtime.resumable import load_state, save_state
+from lmc_mergekit.runtime.resumable import link_state, load_state, save_state
 
 #: The key of a kept snapshot written to a file: its path.
 SPILLED = "spilled"
@@ -95,6 +95,9 @@ class TrainingState:
         self.explode_factor = explode_factor
         self.spill = spill
         self._written = 0
+        #: The run's identity (:meth:`load`), written into spilled snapshots: the newest is
+        #: then the resumable checkpoint as it stands, linked rather than written again.
+        self.identity = None
         self.step = 0
         self.lr_scale = 1.0
         self.losses: list[float] = []
@@ -151,7 +154,7 @@ class TrainingState:
         else:
             path = self.spill / f"snapshot-{self._written}.pt"
             self._written += 1
-            torch.save(snapshot, path)
+            save_state(path, self.identity, snapshot)
             kept = {"step": snapshot["step"], SPILLED: path}
         if len(self.kept) == self.kept.maxlen:
             _forget(self.kept[0])
@@ -230,13 +233,19 @@ class TrainingState:
             _forget(self.kept.pop())
 
     def save(self, path: Path, identity, snapshot: dict) -> None:
-        """Write ``snapshot`` as the resumable checkpoint of the run ``identity``."""
-        save_state(path, identity, snapshot)
+        """Write ``snapshot`` as the resumable checkpoint of the run ``identity`` (a link to
+        its spilled file where it is the newest kept one)."""
+        newest = self.kept[-1] if self.kept else {}
+        if SPILLED in newest and newest["step"] == snapshot["step"] and identity == self.identity:
+            link_state(Path(newest[SPILLED]), path)
+        else:
+            save_state(path, identity, snapshot)
 
     def load(self, path: Path | None, identity, processes: Processes | None = None) -> int | None:
         """Resume from the checkpoint at ``path`` if the run ``identity`` wrote it; the step
         resumed from, or None. Under several ``processes`` the main one (the one that writes
         checkpoints) reads it and every process resumes from what it read."""
+        self.identity = identity
         # None also when the settings changed.
         saved = (processes or Processes()).from_main(lambda: load_state(path, identity))
         if saved is None:

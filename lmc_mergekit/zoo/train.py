@@ -293,13 +293,15 @@ class _ModelState(TrainingState):
 
 
 def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norm gains and biases)."""
+    """AdamW with weight decay on matrices only (not on norm gains and biases), fused: the
+    multi-tensor step makes a temporary the size of the model (its ``sqrt`` of the second
+    moments), which a large model's training cannot spare."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 class _Batches:
