@@ -28,10 +28,8 @@ from lmc_mergekit.subclone.heal import HEAL_INFO, SUBCLONE_REPORT, choose_teache
 def whole_logits_loss(student, teacher, ids, temperature, weight, cap):
     """The reference: both models' whole logits, ``F.kl_div`` and ``F.cross_entropy``."""
     logits = student(input_ids=ids).logits[:, :-1].float()
-    with torch.no_grad():  # the teacher's head in float32, as the chunked loss reads it
-        states = teacher.base_model(input_ids=ids).last_hidden_state[:, :-1].float()
-        taught = states @ teacher.get_output_embeddings().weight.float().T
-        taught = cap * torch.tanh(taught / cap) if cap else taught
+    with torch.no_grad():  # the teacher's logits in its own dtype, read in float32
+        taught = teacher(input_ids=ids).logits[:, :-1].float()
     kl = F.kl_div(
         F.log_softmax(logits / temperature, -1),
         F.log_softmax(taught / temperature, -1),

@@ -414,7 +414,9 @@ def quiet_env() -> dict:
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_and_ends_where_an_uninterrupted_one_does(trained_pair, tmp_path):
-    recipe = write_recipe(tmp_path, list(trained_pair), steps=150, evaluate=False)
+    recipe = write_recipe(
+        tmp_path, list(trained_pair), steps=60, checkpoint_every=20, evaluate=False
+    )
     # Both runs in processes with the same thread count, so that their arithmetic is identical.
     whole = subprocess.run(
         lmc_command(recipe, tmp_path / "whole", tmp_path / "cache-whole"),
@@ -423,7 +425,8 @@ def test_a_killed_run_resumes_and_ends_where_an_uninterrupted_one_does(trained_p
     )
     assert whole.returncode == 0, whole.stderr.decode()[-2000:]
     cache = tmp_path / "cache"
-    # -v: the child logs each checkpoint it has written; it is killed on the line for step 30.
+    # -v: the child logs each checkpoint it has written; it is killed on the first line at or
+    # after step 30 (step 40), two thirds of the way.
     process = subprocess.Popen(
         [*lmc_command(recipe, tmp_path / "out", cache), "-v"],
         env=quiet_env(),

@@ -11,7 +11,8 @@ logits are never held whole: tokens run through both heads :func:`loss_tokens` a
 (64 tokens at 262k), each chunk's gradient taken in the forward, a fused linear loss. A token's
 row of logits is read whole (1 MB at 262k in float32), so the loss's memory is bounded by the
 chunk, not by the batch, the sequence length or a vocabulary slice. The teacher runs in its
-stored dtype under no-grad; its head's slices are cast to float32 for its logits.
+stored dtype under no-grad, its logits too (what a bf16 teacher's forward gives), read in
+float32.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 #: Defaults measured on SmolLM2-135M → d=384 (docs/results.md, "Healing by distillation").
 DEFAULT_TEMPERATURE = 1.0
-DEFAULT_WEIGHT = 1.0
+DEFAULT_WEIGHT = 0.5
 
 
 @dataclass
@@ -126,8 +127,10 @@ class _DistilledHead(torch.autograd.Function):
         for start in range(0, len(targets), chunk):
             part, wanted = states[start : start + chunk], targets[start : start + chunk]
             logits, slope = _capped(head_logits(part, weight, bias).float(), cap)
-            teacher = taught[start : start + chunk].float()
-            teacher = _capped(head_logits(teacher, teacher_weight, teacher_bias), teacher_cap)[0]
+            # The teacher's logits as it makes them, in its stored dtype (a 16-bit matmul runs
+            # at twice the float32 rate on a CPU that has one, and nothing is cast).
+            teacher = head_logits(taught[start : start + chunk], teacher_weight, teacher_bias)
+            teacher = _capped(teacher, teacher_cap)[0].float()
             student_t = F.log_softmax(logits / temperature, dim=-1)
             teacher_t = F.log_softmax(teacher / temperature, dim=-1)
             kl = (teacher_t.exp() * (teacher_t - student_t)).sum(-1)
