@@ -126,6 +126,7 @@ def kl_to(teacher: Path, student: Path, ids: torch.Tensor) -> float:
     return Distillation(taught).kl(AutoModelForCausalLM.from_pretrained(student), ids)
 
 
+@pytest.mark.slow
 def test_a_distilled_heal_moves_toward_its_donor_and_resumes_exactly(
     models, text, tmp_path, monkeypatch
 ):
