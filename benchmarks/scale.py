@@ -34,7 +34,7 @@ plain step measured in the same run (the machine is noisy, ratios less so).
         [--steps 10] [--work DIR] [--markdown docs/results.md]
 
 Healing at the sizes people shrink: the first model of ``pair``'s ``--shape`` (random bf16)
-converted by ``subclone_compensate`` (selection alone: ``compensate: false``) to ``--hidden`` (``--heads`` query heads, the group size
+converted by ``subclone_compensate`` (selection alone on 16 calibration sequences) to ``--hidden`` (``--heads`` query heads, the group size
 kept, MLP ``--mlp``), then ``lmc-mergekit heal`` for ``--steps`` steps (batch 8 × 128 tokens
 of the bundled corpus), by distillation from its donor (the default) and on the text alone,
 each a whole command in a fresh process: seconds a step, the teacher's share, and peak
@@ -584,9 +584,11 @@ def measure_heal(args) -> None:
             "hidden_size": args.hidden,
             "num_attention_heads": args.heads,
             "intermediate_size": args.mlp,
-            # Selection alone: the heal's memory is what is measured, and the student's shape
-            # is the same; compensation's held-out fits take ~20 minutes on 2 cores at 1B.
+            # Selection alone on 16 calibration sequences: the heal's memory is what is
+            # measured, and the student's shape is the same; the default conversion (256
+            # sequences through the 1.1B donor, the held-out fits) takes over 20 minutes here.
             "compensate": False,
+            "calibration_sequences": 16,
             "evaluate": False,
         }
         merge = {"merge_method": "subclone_compensate", "models": [{"model": str(donor)}]}
