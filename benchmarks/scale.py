@@ -30,17 +30,6 @@ plain step measured in the same run (the machine is noisy, ratios less so).
     python benchmarks/scale.py pair [--shape 7b] [--memory-limit GIB] [--rounds N] [--work DIR]
         [--markdown docs/results.md]
 
-    python benchmarks/scale.py heal [--shape 1b] [--hidden 1536 --heads 24 --mlp 4224]
-        [--steps 10] [--work DIR] [--markdown docs/results.md]
-
-Healing at the sizes people shrink: the first model of ``pair``'s ``--shape`` (random bf16)
-converted by ``subclone_compensate`` (selection alone on 16 calibration sequences) to ``--hidden`` (``--heads`` query heads, the group size
-kept, MLP ``--mlp``), then ``lmc-mergekit heal`` for ``--steps`` steps (batch 8 × 128 tokens
-of the bundled corpus), by distillation from its donor (the default) and on the text alone,
-each a whole command in a fresh process: seconds a step, the teacher's share, and peak
-anonymous memory against the bound of four times the student in float32 (weights, gradients,
-AdamW's two moments) plus the teacher as stored.
-
 A pair that need not fit in memory: two random bf16 checkpoints of a Llama shape (``7b``:
 Llama-2-7B's configuration, 13.5 GB each; ``1b``: 1.1B, 2.2 GB each; ``250m``), written a
 tensor at a time (never a whole model in memory), merged by mergekit's own ``linear`` and by
@@ -51,6 +40,17 @@ mmapped reads count in RSS), sampled every 0.2 s over the process tree, with ``w
 RSS. With ``--memory-limit`` both run inside a memory cgroup of that size (cgroup v1 or v2,
 where this process may make one), so that the pair is larger than the memory the merge may
 use.
+
+    python benchmarks/scale.py heal [--shape 1b] [--hidden 1536 --heads 24 --mlp 4224]
+        [--steps 10] [--work DIR] [--markdown docs/results.md]
+
+Healing at the sizes people shrink: the first model of ``pair``'s ``--shape`` (random bf16)
+converted by ``subclone_compensate`` (selection alone on 16 calibration sequences) to
+``--hidden`` (``--heads`` query heads, the group size kept, MLP ``--mlp``), then ``lmc-mergekit
+heal`` for ``--steps`` steps (batch 8 × 128 tokens of the bundled corpus), by distillation from
+its donor (the default) and on the text alone, each a whole command in a fresh process: seconds
+a step, the teacher's share, and peak anonymous memory against the bound of four times the
+student in float32 (weights, gradients, AdamW's two moments) plus the teacher as stored.
 """
 
 from __future__ import annotations
