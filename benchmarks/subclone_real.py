@@ -409,7 +409,6 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--eval-sequences", type=int, default=32)
     p.add_argument("--plot", type=Path, default=None, help="folder for race-<target>.png")
-    p.add_argument("--block", default=None, help="the Markdown block's name [race-<target>]")
     add_markdown_option(p)
     p = sub.add_parser("distill")
     p.add_argument("--targets", nargs="+", choices=list(SMALLER), default=["d384"])
