@@ -27,6 +27,7 @@ from lmc_mergekit.models.adapters.base import rotary_factor
 from lmc_mergekit.models.adapters.gpt_neox import GPTNeoXAdapter
 from lmc_mergekit.models.adapters.llama import LlamaAdapter
 from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.checkpoint import model_dir
 from lmc_mergekit.models.view import ModelSpec, materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.subclone.compensation import (
@@ -37,6 +38,7 @@ from lmc_mergekit.subclone.compensation import (
     held_out_ridge,
 )
 from lmc_mergekit.subclone.convert import ConversionConfig, convert_model
+from lmc_mergekit.subclone.heal import choose_teacher
 from lmc_mergekit.subclone.target import kept_layers, plan_rotary, resolve_target
 
 EXACT = ConversionConfig(compensate=False, rescale="none")
@@ -478,6 +480,8 @@ def test_the_recipe_writes_a_narrower_model_that_loads_and_generates(trained_pai
     )
     card = (out / "README.md").read_text()
     assert "Size conversion" in card and "not a copy of its donor's function" in card
+    # Healing finds the donor the report names: the converted model's teacher by default.
+    assert choose_teacher(out, None).folder == model_dir(trained_pair[0])
 
 
 @pytest.fixture(scope="module")
