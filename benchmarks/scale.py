@@ -48,9 +48,10 @@ Healing at the sizes people shrink: the first model of ``pair``'s ``--shape`` (r
 converted by ``subclone_compensate`` (selection alone on 16 calibration sequences) to
 ``--hidden`` (``--heads`` query heads, the group size kept, MLP ``--mlp``), then ``lmc-mergekit
 heal`` for ``--steps`` steps (batch 8 × 128 tokens of the bundled corpus), by distillation from
-its donor (the default) and on the text alone, each a whole command in a fresh process: seconds
-a step, the teacher's share, and peak anonymous memory against the bound of four times the
-student in float32 (weights, gradients, AdamW's two moments) plus the teacher as stored.
+its donor (the default), the same with ``--gradient-checkpointing``, and on the text alone, each
+a whole command in a fresh process: seconds a step, the teacher's share, and peak anonymous
+memory against the bound of four times the student in float32 (weights, gradients, AdamW's two
+moments) plus the teacher as stored.
 """
 
 from __future__ import annotations
@@ -615,13 +616,18 @@ def measure_heal(args) -> None:
         "|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    for how in ("distilled from the donor", "text alone (--no-teacher)"):
+    hows = {
+        "distilled from the donor": [],
+        "distilled, --gradient-checkpointing": ["--gradient-checkpointing"],
+        "text alone (--no-teacher)": ["--no-teacher"],
+    }
+    for how, options in hows.items():
         out = Path(tempfile.mkdtemp(prefix="healed-", dir=args.work)) / "out"
         command = [
             str(Path(sys.executable).parent / "lmc-mergekit"), "heal", str(student), str(out),
             "--steps", str(args.steps), "--eval-sequences", "8", "--eval-every", str(args.steps),
-            "--lmc-cache", str(args.work / "heal-cache"), "--device", "cpu",
-        ] + ["--no-teacher"] * how.startswith("text")  # fmt: skip
+            "--lmc-cache", str(args.work / "heal-cache"), "--device", "cpu", *options,
+        ]  # fmt: skip
         row = sampled_run(command, None)
         if row["code"] != 0:
             raise SystemExit(f"heal failed: {row['tail'][0]}")

@@ -23,6 +23,7 @@ from lmc_mergekit.cli import main
 from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.subclone.distill import Distillation
 from lmc_mergekit.subclone.heal import HEAL_INFO, SUBCLONE_REPORT, choose_teacher
+from lmc_mergekit.zoo.finetune import recompute_activations
 
 
 def whole_logits_loss(student, teacher, ids, temperature, weight, cap):
@@ -64,6 +65,38 @@ def test_chunked_distillation_equals_the_whole_logits_loss(
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
     for name, param in student.named_parameters():
         torch.testing.assert_close(chunked[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_keeps_the_gradients_and_saves_fewer_activations(tmp_path):
+    student = AutoModelForCausalLM.from_pretrained(build_model("llama", tmp_path / "s", seed=0))
+    teacher = AutoModelForCausalLM.from_pretrained(
+        build_model("llama", tmp_path / "t", seed=1), dtype=torch.bfloat16
+    )
+    ids = torch.randint(0, student.config.vocab_size, (4, 32))
+    distillation = Distillation(teacher)
+
+    def step() -> tuple[int, dict[str, torch.Tensor]]:
+        """The bytes autograd keeps for the backward pass, and the gradients."""
+        kept = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = distillation.loss(student, ids)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in student.named_parameters()}
+        student.zero_grad()
+        return sum(kept), grads
+
+    student.train()
+    plain_bytes, plain = step()
+    recompute_activations(student)
+    fewer_bytes, recomputed = step()
+    assert fewer_bytes < plain_bytes / 2, (fewer_bytes, plain_bytes)
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +171,11 @@ def test_a_distilled_heal_moves_toward_its_donor_and_resumes_exactly(
         taught = CliRunner().invoke(main, heal_args(models["student"], distilled, text))
         assert taught.exit_code == 0, taught.output
         assert "distilling from its donor" in taught.output
-        alone = CliRunner().invoke(main, heal_args(models["student"], plain, text, "--no-teacher"))
+        # Recomputing activations changes the memory, not the run.
+        alone_args = heal_args(
+            models["student"], plain, text, "--no-teacher", "--gradient-checkpointing"
+        )
+        alone = CliRunner().invoke(main, alone_args)
         assert alone.exit_code == 0, alone.output
 
         # Interrupted after step 6, the same command resumes there to the same weights.
@@ -158,7 +195,8 @@ def test_a_distilled_heal_moves_toward_its_donor_and_resumes_exactly(
     record = json.loads((distilled / HEAL_INFO).read_text())
     assert record["teacher"]["model"] == str(models["donor"])
     assert record["teacher"]["forward_seconds"] > 0
-    assert json.loads((plain / HEAL_INFO).read_text())["teacher"] is None
+    plain_record = json.loads((plain / HEAL_INFO).read_text())
+    assert plain_record["teacher"] is None and plain_record["gradient_checkpointing"]
     ids = torch.randint(0, 300, (8, 32), generator=torch.Generator().manual_seed(5))
     start = kl_to(models["donor"], models["student"], ids)
     after = {name: kl_to(models["donor"], tmp_path / name, ids) for name in ("distilled", "plain")}

@@ -143,6 +143,7 @@ def heal(
     teacher: str | Path | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
     distill_weight: float = DEFAULT_WEIGHT,
+    gradient_checkpointing: bool = False,
 ) -> dict:
     """Write ``source`` trained on for ``steps`` AdamW steps (float32, warm-up over a tenth,
     cosine decay) to ``out``; return the run's record (also written to ``out/heal.json``).
@@ -151,6 +152,8 @@ def heal(
     each step's loss is the distillation from it (``temperature``, the KL term's share
     ``distill_weight``: :class:`~lmc_mergekit.subclone.distill.Distillation`); the teacher
     runs in its stored dtype, and its forward's seconds are in the record.
+    ``gradient_checkpointing`` recomputes each layer's activations in the backward pass: less
+    memory for a large student, more compute (the same steps).
 
     Training reads the train split of ``data`` (every text it names in equal shares, as a
     calibration does), ``steps × batch_size`` sequences at most, one epoch for the default
@@ -202,10 +205,16 @@ def heal(
         out,
         train,
         HEAL_INFO,
-        {"source": str(folder), "data": described, "teacher": taught},
+        {
+            "source": str(folder),
+            "data": described,
+            "teacher": taught,
+            "gradient_checkpointing": gradient_checkpointing,
+        },
         existing="replace" if overwrite else "refuse",
         device=device,
         trust_remote_code=trust_remote_code,
+        gradient_checkpointing=gradient_checkpointing,
         seed=seed,
         steps=steps,
         batch_size=batch_size,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from lmc_mergekit.data.sequences import DataConfig, load_split
 from lmc_mergekit.errors import LmcError
@@ -67,6 +67,7 @@ def train_checkpoint(
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
     before_write: Callable[[dict], None] | None = None,
+    gradient_checkpointing: bool = False,
     **loop,
 ) -> dict:
     """Train the checkpoint ``base`` on the sequences ``train`` with the tool's one training
@@ -74,12 +75,17 @@ def train_checkpoint(
     default) and write it to ``out`` in ``base``'s dtype with its tokenizer files and the run's
     record (``info`` and the loop's, completed by ``before_write`` where given) as
     ``info_file``; staged, and refused with nothing written if a value is not finite. Returns
-    the record."""
+    the record. With ``gradient_checkpointing`` each layer's activations are recomputed in the
+    backward pass (:func:`recompute_activations`)."""
     model = AutoModelForCausalLM.from_pretrained(
         str(base), dtype=torch.float32, trust_remote_code=trust_remote_code, use_kernels=False
     ).to(device)
+    if gradient_checkpointing:
+        recompute_activations(model)
     loop.setdefault("warmup", loop["steps"] // 10)
     record = {**info, **continue_training(model, train, **loop)}
+    if gradient_checkpointing:
+        model.gradient_checkpointing_disable()
     if before_write is not None:
         before_write(record)
     with staged_folder(out, existing) as staging:
@@ -93,3 +99,16 @@ def train_checkpoint(
             )
         (staging / info_file).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record
+
+
+def recompute_activations(model: PreTrainedModel) -> None:
+    """Train ``model`` with transformers' gradient checkpointing: a layer keeps only its input
+    for the backward pass and runs again there, so a step holds one layer's activations, not
+    every layer's, for about a third more compute. Non-reentrant, so that a loss computed from
+    the decoder's states (distillation's) gets the same gradients."""
+    if not model.supports_gradient_checkpointing:
+        raise LmcError(
+            f"{type(model).__name__} does not support gradient checkpointing; "
+            "heal without --gradient-checkpointing"
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
