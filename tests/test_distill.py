@@ -15,14 +15,16 @@ from safetensors.torch import load_file
 from test_heal import Interrupted, heal_args, stop_after
 from tiny_models import build_model
 from tokenizer_helpers import model_with_tokenizer
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
 import lmc_mergekit.models.block_runner as block_runner
 import lmc_mergekit.zoo.finetune as finetuning
 from lmc_mergekit.cli import main
-from lmc_mergekit.data import bundled_text_files
+from lmc_mergekit.data import bundled_text_files, load_tokenizer
+from lmc_mergekit.runtime.precision import native_16bit
 from lmc_mergekit.subclone.distill import Distillation
-from lmc_mergekit.subclone.heal import HEAL_INFO, SUBCLONE_REPORT, choose_teacher
+from lmc_mergekit.subclone.heal import HEAL_INFO, SUBCLONE_REPORT, choose_teacher, load_teacher
 from lmc_mergekit.zoo.finetune import recompute_activations
 
 
@@ -97,6 +99,49 @@ def test_gradient_checkpointing_keeps_the_gradients_and_saves_fewer_activations(
     assert fewer_bytes < plain_bytes / 2, (fewer_bytes, plain_bytes)
     for name, grad in plain.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class LinearDtypes(TorchFunctionMode):
+    """Records the input dtype of every ``F.linear`` that reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.seen.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_emulated_bf16_teacher_multiplies_in_float32(tmp_path):
+    student = AutoModelForCausalLM.from_pretrained(build_model("llama", tmp_path / "s", seed=0))
+    teacher = AutoModelForCausalLM.from_pretrained(
+        build_model("llama", tmp_path / "t", seed=1), dtype=torch.bfloat16
+    )
+    ids = torch.randint(0, student.config.vocab_size, (3, 16))
+    losses, seen = {}, {}
+    for upcast in (False, True):
+        with LinearDtypes() as spy:
+            losses[upcast] = Distillation(teacher, float32_products=upcast).loss(student, ids)
+        seen[upcast] = spy.seen
+    # In its stored dtype the teacher's products are bf16; upcast, every one is float32, its
+    # weights still bf16, and the loss is the same but for bf16 rounding.
+    assert torch.bfloat16 in seen[False] and seen[True] == {torch.float32}
+    assert all(p.dtype == torch.bfloat16 for p in teacher.parameters())
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-2, atol=0)
+
+
+def test_the_teacher_multiplies_in_float32_where_the_cpu_emulates_bf16(models, monkeypatch):
+    tokenizer = load_tokenizer([models["student"]])
+    cpu = torch.device("cpu")
+    for native in (False, True):
+        for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+            monkeypatch.setattr(torch.cpu, probe, lambda native=native: native, raising=False)
+        assert native_16bit(torch.bfloat16, cpu) is native
+        chosen = load_teacher(models["student"], models["donor"], tokenizer, cpu, 1.0, 0.5)
+        assert chosen.float32_products is not native
+    assert native_16bit(torch.bfloat16, torch.device("cuda"))
 
 
 @pytest.fixture(scope="module")

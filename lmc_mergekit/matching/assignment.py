@@ -8,6 +8,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
 from lmc_mergekit.models.view import MLP, Attention, ModelSpec
+from lmc_mergekit.runtime.precision import native_16bit
 
 #: Columns per row, and rows per column, the assignment considers (besides the row's current
 #: partner).
@@ -120,18 +121,10 @@ def neuron_similarity(a: MLP, b: MLP) -> torch.Tensor:
 
 def similarity_dtype(device: torch.device) -> torch.dtype:
     """The dtype the similarities that only rank heads and neurons are multiplied in: bf16
-    where the device multiplies it natively (CUDA; CPUs with AVX512-BF16 or AMX: twice
-    float32's speed, and a ranking needs no more digits), float32 elsewhere (a CPU without
-    them emulates bf16 more slowly than it multiplies float32)."""
-    if device.type == "cuda":
-        return torch.bfloat16
-    probes = [getattr(torch.cpu, name, None) for name in CPU_BF16_PROBES]
-    native = any(probe is not None and probe() for probe in probes)
-    return torch.bfloat16 if native else torch.float32
-
-
-#: ``torch.cpu``'s probes of native bf16 products (private: absent ones count as no).
-CPU_BF16_PROBES = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    where the device multiplies it natively (:func:`~lmc_mergekit.runtime.precision.native_16bit`:
+    twice float32's speed, and a ranking needs no more digits), float32 elsewhere (a CPU
+    without it emulates bf16 more slowly than it multiplies float32)."""
+    return torch.bfloat16 if native_16bit(torch.bfloat16, device) else torch.float32
 
 
 def circuit_blocks(attn: Attention, spec: ModelSpec, kind: str) -> tuple[torch.Tensor, ...]:

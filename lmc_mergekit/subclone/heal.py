@@ -29,6 +29,7 @@ from lmc_mergekit.evaluation.loss import mean_token_loss, resolve_device
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.checkpoint import model_dir, read_config, stored_dtype
 from lmc_mergekit.runtime.keys import content_key, fingerprint
+from lmc_mergekit.runtime.precision import SIXTEEN_BIT, native_16bit
 from lmc_mergekit.runtime.publish import check_output_free
 from lmc_mergekit.subclone.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, Distillation
 from lmc_mergekit.zoo.finetune import train_checkpoint
@@ -99,8 +100,9 @@ def load_teacher(
     trust_remote_code: bool = False,
 ) -> Distillation:
     """``teacher`` loaded in its stored dtype on ``device``, frozen, as the distillation of
-    ``student`` (whose ``tokenizer`` is given); refused in one line when the two do not share a
-    tokenizer and vocabulary (a student cannot learn a distribution over other tokens)."""
+    ``student`` (whose ``tokenizer`` is given), its products in float32 where ``device``
+    emulates the stored dtype's; refused in one line when the two do not share a tokenizer and
+    vocabulary (a student cannot learn a distribution over other tokens)."""
     sizes = [read_config(f).get("vocab_size") for f in (student, teacher)]
     theirs = load_tokenizer([teacher]).get_vocab()
     if sizes[0] != sizes[1] or theirs != tokenizer.get_vocab():
@@ -113,14 +115,13 @@ def load_teacher(
     softcaps = tuple(
         open_model(f, trust_remote_code).spec.final_softcap for f in (student, teacher)
     )
+    dtype = stored_dtype(teacher)
     model = AutoModelForCausalLM.from_pretrained(
-        str(teacher),
-        dtype=stored_dtype(teacher),
-        trust_remote_code=trust_remote_code,
-        use_kernels=False,
+        str(teacher), dtype=dtype, trust_remote_code=trust_remote_code, use_kernels=False
     ).to(device)
     model.eval().requires_grad_(False)
-    return Distillation(model, temperature, weight, softcaps)
+    emulated = dtype in SIXTEEN_BIT and not native_16bit(dtype, device)
+    return Distillation(model, temperature, weight, softcaps, float32_products=emulated)
 
 
 def heal(
@@ -195,6 +196,8 @@ def heal(
     taught = None
     if distillation is not None:
         taught = {"model": str(teacher), "temperature": temperature, "weight": distill_weight}
+        products = torch.float32 if distillation.float32_products else stored_dtype(teacher)
+        taught["products"] = str(products).removeprefix("torch.")
         identity["teacher"] = {**taught, "model": fingerprint(teacher)}
     checkpoint = None
     if cache_dir is not None:
