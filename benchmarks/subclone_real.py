@@ -2,6 +2,7 @@
 
     python benchmarks/subclone_real.py generalize [--targets d384 d192] [--arms ...]
         [--work DIR] [--eval-sequences 32] [--heal-steps 30] [--markdown docs/results.md]
+        [--block generalize]
     python benchmarks/subclone_real.py race [--targets d384 d192] [--budgets 0 30 100 300]
         [--starts ...] [--work DIR] [--eval-sequences 32] [--markdown docs/results.md]
         [--plot DIR]
@@ -19,12 +20,17 @@ MLP 512), each arm one ``lmc-mergekit-yaml`` recipe with a fresh cache:
 - ``auto+mixed``: held-out ridge, calibration spread over every text of the bundled corpus (two
   Austen novels and Genesis–Numbers), rescaling ``o_down``;
 - ``auto+mixed, no rescale``: the same without the ``sqrt(n/n')`` rescaling: the default recipe;
-- ``plain``: selection alone (``compensate: false, rescale: none``) on the Austen file.
+- ``plain``: selection alone (``compensate: false, rescale: none``) on the Austen file;
+- ``auto, no rescale``: today's defaults calibrated on the Austen file alone, and ``ridge R,
+  no rescale`` the same at a fixed ridge ``R``: how much of its gain a calibration on one text
+  carries to another, and what the ridge's strength does to that.
 
 Losses (mean next-token nats) on the test split of Pride and Prejudice (the calibration text
 of the first arms) and of the KJV file (text no Austen-calibrated arm saw), ``--eval-sequences``
 sequences of 128 tokens each, zero-shot and after ``--heal-steps`` steps of continued training
-(batch 8, lr 3e-4) on train sequences of both texts in equal shares.
+(batch 8, lr 3e-4) on train sequences of both texts in equal shares (``--heal-steps 0``:
+zero-shot only). The out-of-text share is the KJV gain over plain selection divided by the
+Austen gain, zero-shot (``plain`` must be among the arms).
 
 ``race`` is the size conversion paper's continued-training race: each start healed
 (``lmc_mergekit.subclone.heal``, the tool's one training loop) for the largest budget, its
@@ -72,6 +78,12 @@ ARMS = {
     "auto+mixed": {"rescale": "o_down"},
     "auto+mixed, no rescale": {"rescale": "none"},
     "plain": {"compensate": False, "rescale": "none", "data": "prideprejudice"},
+    # Calibrated on one novel with today's defaults, and at fixed ridges around the held-out
+    # choice: how much of the gain one text's calibration can carry to another.
+    "auto, no rescale": {"rescale": "none", "data": "prideprejudice"},
+    "ridge 0.3, no rescale": {"ridge": 0.3, "rescale": "none", "data": "prideprejudice"},
+    "ridge 3, no rescale": {"ridge": 3.0, "rescale": "none", "data": "prideprejudice"},
+    "ridge 30, no rescale": {"ridge": 30.0, "rescale": "none", "data": "prideprejudice"},
 }
 TEXTS = {"Austen (P&P)": "prideprejudice", "KJV": "kjv"}
 #: The race's starts: ``subclone:`` settings of a conversion, or how else the start is made.
@@ -155,7 +167,7 @@ def generalize(args) -> None:
     lines = [
         f"Donor: {' / '.join(f'{donor[n]:.3f}' for n in names)} ({head}).",
         "",
-        f"| target | arm | zero-shot {head} | after {args.heal_steps} steps {head} "
+        f"| target | arm | zero-shot {head} | after {args.heal_steps or 'no'} steps {head} "
         "| out-of-text share of the gain | ridges chosen | seconds |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -164,8 +176,11 @@ def generalize(args) -> None:
         rows = []
         for arm in args.arms:
             result, out = convert(source, target, arm, ARMS[arm], args)
-            curve = healed(out, out.parent / "healed", args, [0, args.heal_steps])
-            zero, after = curve[0], curve[args.heal_steps]
+            if args.heal_steps:
+                curve = healed(out, out.parent / "healed", args, [0, args.heal_steps])
+                zero, after = curve[0], curve[args.heal_steps]
+            else:  # zero-shot only
+                zero, after = losses(out, args), None
             if arm == "plain":
                 plain = zero
             rows.append((arm, zero, after, result))
@@ -179,7 +194,7 @@ def generalize(args) -> None:
                 target,
                 arm,
                 " / ".join(f"{zero[n]:.3f}" for n in names),
-                " / ".join(f"{after[n]:.3f}" for n in names),
+                " / ".join(f"{after[n]:.3f}" for n in names) if after else "–",
                 share,
                 ridges(result["report"]) if arm != "plain" else "–",
                 f"{result['seconds']:.0f}",
@@ -400,7 +415,7 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--eval-sequences", type=int, default=32)
-    p.add_argument("--heal-steps", type=int, default=30)
+    p.add_argument("--heal-steps", type=int, default=30, help="0: zero-shot losses only")
     add_markdown_option(p)
     p = sub.add_parser("race")
     p.add_argument("--targets", nargs="+", choices=list(SMALLER), default=list(SMALLER))
