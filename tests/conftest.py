@@ -42,6 +42,16 @@ SMALL_ZOO = {"arch": "gpt_neox", "hidden": 32, "layers": 2, "steps": 150}
 
 
 @pytest.fixture(scope="session")
+def text(tmp_path_factory) -> Path:
+    """40 kB of the bundled text as a training file (a module may define its own)."""
+    from lmc_mergekit.data import bundled_text_files
+
+    path = tmp_path_factory.mktemp("text") / "excerpt.txt"
+    path.write_text(bundled_text_files()[0].read_text(encoding="utf-8")[:40_000])
+    return path
+
+
+@pytest.fixture(scope="session")
 def zoo_root(tmp_path_factory) -> Path:
     """The test session's zoo folder."""
     return tmp_path_factory.mktemp("zoo")

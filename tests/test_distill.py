@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 import lmc_mergekit.models.block_runner as block_runner
 import lmc_mergekit.zoo.finetune as finetuning
 from lmc_mergekit.cli import main
-from lmc_mergekit.data import bundled_text_files, load_tokenizer
+from lmc_mergekit.data import load_tokenizer
 from lmc_mergekit.runtime.precision import native_16bit
 from lmc_mergekit.subclone.distill import Distillation
 from lmc_mergekit.subclone.heal import HEAL_INFO, SUBCLONE_REPORT, choose_teacher, load_teacher
@@ -158,13 +158,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
         model = AutoModelForCausalLM.from_pretrained(folder)
         model.to(torch.bfloat16).save_pretrained(folder)
     return folders
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "excerpt.txt"
-    path.write_text(bundled_text_files()[0].read_text(encoding="utf-8")[:40_000])
-    return path
 
 
 def name_donor(student: Path, donor: Path | str) -> None:

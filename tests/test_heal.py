@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM
 import lmc_mergekit.subclone.heal as healing
 import lmc_mergekit.zoo.finetune as finetuning
 from lmc_mergekit.cli import main
-from lmc_mergekit.data import bundled_text_files
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.zoo.train import continue_training
 
@@ -31,13 +30,6 @@ def donor(tmp_path_factory) -> Path:
     model = AutoModelForCausalLM.from_pretrained(folder)
     model.to(torch.bfloat16).save_pretrained(folder)
     return folder
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "excerpt.txt"
-    path.write_text(bundled_text_files()[0].read_text(encoding="utf-8")[:40_000])
-    return path
 
 
 class Interrupted(Exception):

@@ -196,7 +196,7 @@ def heal(
     taught = None
     if distillation is not None:
         taught = {"model": str(teacher), "temperature": temperature, "weight": distill_weight}
-        products = torch.float32 if distillation.float32_products else stored_dtype(teacher)
+        products = torch.float32 if distillation.float32_products else distillation.teacher.dtype
         taught["products"] = str(products).removeprefix("torch.")
         identity["teacher"] = {**taught, "model": fingerprint(teacher)}
     checkpoint = None
