@@ -10,7 +10,8 @@ from lmc_mergekit.evaluation.barrier import interpolation_losses
 from lmc_mergekit.matching import assignment, match_weights, weight_matching
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_rope_maps
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.view import iter_tensors, materialize
+from lmc_mergekit.models.view import MLP, iter_tensors, materialize
+from lmc_mergekit.runtime import precision
 from lmc_mergekit.symmetry import Transform, apply_transform, random_transform
 from lmc_mergekit.symmetry.rope import rope_commutation_error
 from lmc_mergekit.symmetry.sampling import random_rope_maps, random_well_conditioned
@@ -151,6 +152,69 @@ def test_assignment_on_candidates_never_loses_to_the_current_one():
     assert score == pytest.approx(_dense_optimum(similarity), rel=1e-12)
     _, from_identity = assignment.best_permutation(similarity)
     assert float(similarity.diagonal().sum()) < from_identity <= score + 1e-9
+
+
+def test_int8_neuron_products_assign_as_the_float_ones(monkeypatch):
+    # B's neurons: A's, shuffled, each weight mixed with noise (partners' cosine 0.3), biases
+    # included; then one input feature of A made 8× the others (as LLM weights have: it sets
+    # every row's int8 scale, six times coarser). Rounded to int8, each product stays close
+    # to the float one on the scale of unrelated neurons' products, and the assignment is
+    # the same.
+    gen = torch.Generator().manual_seed(0)
+    n, d, cos = 512, 96, 0.3
+
+    def noisy(t):
+        return cos * t + (1 - cos**2) ** 0.5 * torch.randn(t.shape, generator=gen)
+
+    parts = dict(up=(n, d), down=(d, n), gate=(n, d), up_bias=(n,), gate_bias=(n,))
+    a = MLP(**{k: torch.randn(shape, generator=gen) for k, shape in parts.items()})
+    shuffle = torch.randperm(n, generator=gen)
+    b = MLP(
+        **{
+            k: noisy(v)[:, shuffle] if k == "down" else noisy(v)[shuffle]
+            for k, v in vars(a).items()
+            if v is not None
+        }
+    )
+    a.up[:, 5] *= 8
+    sims = {}
+    for int8 in (True, False):
+        monkeypatch.setattr(assignment, "native_int8", lambda device, int8=int8: int8)
+        sims[int8] = assignment.neuron_similarity(a, b)
+    exact = a.up.double() @ b.up.double().T + a.down.double().T @ b.down.double()
+    exact += a.gate.double() @ b.gate.double().T
+    exact += (
+        a.up_bias.double()[:, None] * b.up_bias.double()
+        + a.gate_bias.double()[:, None] * b.gate_bias.double()
+    )
+    spread = float(exact.std())
+    assert float((sims[False] - exact).abs().max()) < 1e-4 * spread
+    error = (sims[True] - exact).abs() / spread
+    assert float(error.mean()) < 0.05 and float(error.max()) < 0.6
+    assert sims[True].dtype == torch.float32 and torch.isfinite(sims[True]).all()
+    perms = [assignment.best_permutation(sim)[0] for sim in sims.values()]
+    assert torch.equal(*perms)
+    # (The outlier's shared term moves a few neurons off their planted partners, in both.)
+    assert float((perms[1] == torch.argsort(shuffle)).float().mean()) > 0.98
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_matching_undoes_a_scramble_with_either_neuron_products(int8, model_dirs, monkeypatch):
+    # The int8 products are chosen by the CPU (VNNI, AMX): both paths run on any CPU here.
+    monkeypatch.setattr(assignment, "native_int8", lambda device: int8)
+    source = model_dirs["llama_gqa_tied"]
+    spec = open_model(source).spec
+    scrambled = apply_transform(open_model(source), random_transform(spec, seed=5))
+    result = match_weights(open_model(source), scrambled)
+    assert result.distances[0] > 0.5 and result.distance < 1e-6
+
+
+def test_int8_products_follow_the_cpu_probes(monkeypatch):
+    for native in (False, True):
+        for probe in precision.INT8_PROBES:
+            monkeypatch.setattr(torch.cpu, probe, lambda native=native: native, raising=False)
+        assert precision.native_int8(torch.device("cpu")) is native
+    assert not precision.native_int8(torch.device("cuda"))
 
 
 def _bf16_pair(source, tmp_path):

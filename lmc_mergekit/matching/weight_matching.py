@@ -17,7 +17,8 @@ block of both models once (memory: the block being solved, never a model); a lay
 assignment did not change in the last round is not solved again while the rotation barely
 moves. The moves run in float32 on ``device``, the similarities that only rank heads and
 neurons in bf16 where the device multiplies it natively
-(:func:`~lmc_mergekit.matching.assignment.similarity_dtype`), the small fits (Procrustes, head
+(:func:`~lmc_mergekit.matching.assignment.similarity_dtype`), the neurons' in int8 on a CPU
+with VNNI or AMX (:func:`~lmc_mergekit.matching.assignment.neuron_similarity`), the small fits (Procrustes, head
 maps) in float64 on the CPU, and the linear assignments in scipy. A round known to be the last
 (the ``max_iterations``-th) fits no next rotation. Given writers, the first round hands the
 reference's parts (norms absorbed, as it is written) and the last round the moved parts of
