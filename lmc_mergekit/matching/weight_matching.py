@@ -18,12 +18,13 @@ assignment did not change in the last round is not solved again while the rotati
 moves. The moves run in float32 on ``device``, the similarities that only rank heads and
 neurons in bf16 where the device multiplies it natively
 (:func:`~lmc_mergekit.matching.assignment.similarity_dtype`), the neurons' in int8 on a CPU
-with VNNI or AMX (:func:`~lmc_mergekit.matching.assignment.neuron_similarity`), the small fits (Procrustes, head
-maps) in float64 on the CPU, and the linear assignments in scipy. A round known to be the last
-(the ``max_iterations``-th) fits no next rotation. Given writers, the first round hands the
-reference's parts (norms absorbed, as it is written) and the last round the moved parts of
-``other`` to them, so that checkpoints stored in 16 bits are written and checked without
-moving any block again (:class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`).
+with VNNI or AMX (:func:`~lmc_mergekit.matching.assignment.neuron_similarity`), the small
+fits (Procrustes, head maps) in float64 on the CPU, and the linear assignments in scipy. A
+round known to be the last (the ``max_iterations``-th) fits no next rotation. Given writers,
+the first round hands the reference's parts (norms absorbed, as it is written) and the last
+round the moved parts of ``other`` to them, so that checkpoints stored in 16 bits are written
+and checked without moving any block again
+(:class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`).
 The residual map stays in the group the model admits (:mod:`lmc_mergekit.symmetry.group`):
 rotations fixing the all-ones vector for LayerNorm models, signed permutations (found by
 linear assignment) for post-norm ones; QK maps are not fitted where queries and keys are
