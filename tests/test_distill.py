@@ -22,7 +22,7 @@ import lmc_mergekit.models.block_runner as block_runner
 import lmc_mergekit.zoo.finetune as finetuning
 from lmc_mergekit.cli import main
 from lmc_mergekit.data import load_tokenizer
-from lmc_mergekit.runtime.precision import native_16bit
+from lmc_mergekit.runtime.precision import Float32Products, native_16bit
 from lmc_mergekit.subclone.distill import Distillation
 from lmc_mergekit.subclone.heal import HEAL_INFO, SUBCLONE_REPORT, choose_teacher, load_teacher
 from lmc_mergekit.zoo.finetune import recompute_activations
@@ -130,6 +130,21 @@ def test_an_emulated_bf16_teacher_multiplies_in_float32(tmp_path):
     assert torch.bfloat16 in seen[False] and seen[True] == {torch.float32}
     assert all(p.dtype == torch.bfloat16 for p in teacher.parameters())
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-2, atol=0)
+
+
+def test_float32_products_take_the_weight_by_position_or_by_name():
+    x = torch.randn(2, 8)
+    weight, bias = torch.randn(3, 8).bfloat16(), torch.randn(3).bfloat16()
+    expected = x @ weight.float().T + bias.float()
+    with Float32Products():
+        for out in (
+            F.linear(x, weight, bias),
+            F.linear(x, weight, bias=bias),
+            F.linear(input=x, weight=weight, bias=bias),
+        ):
+            assert out.dtype == torch.float32
+            torch.testing.assert_close(out, expected)
+        assert F.linear(x, weight=weight).dtype == torch.float32
 
 
 def test_the_teacher_multiplies_in_float32_where_the_cpu_emulates_bf16(models, monkeypatch):

@@ -56,8 +56,11 @@ class Float32Products(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and args[1].dtype in SIXTEEN_BIT:
-            x, weight, *rest = args
-            bias = rest[0] if rest else kwargs.get("bias")
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        if func is F.linear:
+            # F.linear(input, weight, bias=None), its arguments given by position or name.
+            named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+            x, weight, bias = named["input"], named["weight"], named.get("bias")
+            if weight.dtype in SIXTEEN_BIT:
+                bias = None if bias is None else bias.float()
+                return F.linear(x.float(), weight.float(), bias)
         return func(*args, **kwargs)
