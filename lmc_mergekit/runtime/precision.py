@@ -29,10 +29,7 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 def native_16bit(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``device`` multiplies ``dtype`` (bf16 or fp16) natively: always on a GPU, on a
     CPU where ``torch.cpu`` reports the instructions."""
-    if device.type != "cpu":
-        return True
-    probes = [getattr(torch.cpu, name, None) for name in CPU_PROBES.get(dtype, ())]
-    return any(probe is not None and probe() for probe in probes)
+    return device.type != "cpu" or _cpu_reports(CPU_PROBES.get(dtype, ()))
 
 
 def native_int8(device: torch.device) -> bool:
@@ -41,10 +38,12 @@ def native_int8(device: torch.device) -> bool:
     against 1.5 s for a 4096³ product on one core of a Xeon without bf16). Never on a GPU: its
     bf16 products are fast already, and ``_int_mm``'s CUDA kernels want shapes in multiples
     of 8."""
-    if device.type != "cpu":
-        return False
-    probes = [getattr(torch.cpu, name, None) for name in INT8_PROBES]
-    return any(probe is not None and probe() for probe in probes)
+    return device.type == "cpu" and _cpu_reports(INT8_PROBES)
+
+
+def _cpu_reports(probes: tuple[str, ...]) -> bool:
+    """Whether any of ``torch.cpu``'s private probes ``probes`` says yes (absent ones: no)."""
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 class Float32Products(TorchFunctionMode):
