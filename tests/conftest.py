@@ -13,7 +13,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch
 from tiny_models import VARIANTS, build_model
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker, and every process it starts, gets its share of the
+    cores: torch's default of a thread per core in every worker makes the threads wait on
+    each other (the suite then takes longer than with one worker)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

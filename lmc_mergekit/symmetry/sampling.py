@@ -6,7 +6,6 @@ import math
 
 import torch
 from scipy.linalg import null_space
-from scipy.stats import ortho_group
 
 from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.symmetry.group import symmetry_group
@@ -31,6 +30,10 @@ def random_orthogonal(d: int, generator: torch.Generator, fix_ones: bool = False
     """A Haar-random orthogonal d×d matrix (restricted to fix the all-ones vector if asked)."""
     size = d - 1 if fix_ones else d
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    # Imported here: scipy.stats takes longer to import than the rest of the plugin together,
+    # and every process that loads the plugin (each mergekit-yaml) would pay for it.
+    from scipy.stats import ortho_group
+
     q = torch.from_numpy(ortho_group.rvs(size, random_state=seed)) if size > 1 else torch.eye(size)
     return ones_fixing_rotation(q) if fix_ones else q.double()
 
