@@ -7,7 +7,7 @@
         [--starts ...] [--work DIR] [--eval-sequences 32] [--markdown docs/results.md]
         [--plot DIR]
     python benchmarks/subclone_real.py distill [--targets d384] [--steps 30]
-        [--settings 1,1 2,1 1,0.5] [--work DIR] [--markdown docs/results.md]
+        [--settings 1,1 2,1 1,0.5] [--lr 3e-4] [--work DIR] [--markdown docs/results.md]
 
 SmolLM2-135M-Instruct (bf16, built by ``benchmarks/real_pretrained.py``) converted to the
 family's smaller shapes (``d384``: 6/2 heads, MLP 1024, 66M parameters; ``d192``: 3/1 heads,
@@ -47,8 +47,9 @@ interrupted race goes on where it stopped, and a start already healed there for 
 is read back, not run again. The plot has loss against tokens and against training seconds.
 
 ``distill`` heals the compensated start for ``--steps`` steps by distillation at each
-``temperature,weight`` of ``--settings`` (and on the text alone, for reference): how the
-defaults were chosen.
+``temperature,weight`` of ``--settings`` (and on the text alone, for reference), every run at
+the peak rate ``--lr``: how the defaults were chosen. A run already finished in ``--work`` is
+read back.
 """
 
 from __future__ import annotations
@@ -321,8 +322,10 @@ def distill(args) -> None:
                     "temperature": setting[0],
                     "distill_weight": setting[1],
                 }
-            out = args.work / f"{target}-distill-{slug_of(name)}"
-            curve = healed(start, out, args, [0, args.steps], HEAL_LR, **teacher)
+            out = args.work / f"{target}-distill-{slug_of(name)}-{args.steps}-lr{args.lr:g}"
+            curve = finished(out, [0, args.steps])
+            if curve is None:
+                curve = healed(start, out, args, [0, args.steps], args.lr, **teacher)
             record = json.loads((out / HEAL_INFO).read_text())
             trained = curve[args.steps]["seconds"]  # the steps' own, not evaluating or saving
             share = record["teacher"]["forward_seconds"] / trained if record["teacher"] else 0.0
@@ -334,7 +337,8 @@ def distill(args) -> None:
     text = "\n".join(
         [
             f"The compensated start ({zero} zero-shot at {args.targets[-1]}) after {args.steps} "
-            f"steps of healing (8 × 128 tokens, lr {HEAL_LR:g}); the donor: "
+            f"steps of healing (8 × 128 tokens, lr {args.lr:g}, cosine over the {args.steps}); "
+            f"the donor: "
             f"{donor_line(source, args)}.",
             "",
             f"| target | loss | after {args.steps} steps {' / '.join(names)} | seconds a step "
@@ -429,6 +433,7 @@ def main() -> None:
     p.add_argument("--targets", nargs="+", choices=list(SMALLER), default=["d384"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--settings", nargs="+", default=["1,1", "2,1", "1,0.5"])
+    p.add_argument("--lr", type=float, default=HEAL_LR, help="peak rate of every run")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--eval-sequences", type=int, default=32)
     add_markdown_option(p)
