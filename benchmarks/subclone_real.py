@@ -338,8 +338,7 @@ def distill(args) -> None:
         [
             f"The compensated start ({zero} zero-shot at {args.targets[-1]}) after {args.steps} "
             f"steps of healing (8 × 128 tokens, lr {args.lr:g}, cosine over the {args.steps}); "
-            f"the donor: "
-            f"{donor_line(source, args)}.",
+            f"the donor: {donor_line(source, args)}.",
             "",
             f"| target | loss | after {args.steps} steps {' / '.join(names)} | seconds a step "
             "| teacher's forward, share of a step |",
