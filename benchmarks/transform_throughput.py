@@ -65,7 +65,7 @@ def main() -> None:
     write_s = time.perf_counter() - start
     write_peak = peak_mib()
     start = time.perf_counter()
-    error = check_transformed(view, transform, root / "out")
+    error = check_transformed(view, transform, root / "out").error
     check_s = time.perf_counter() - start
 
     size_mib = params * 4 / 1024**2

@@ -179,12 +179,12 @@ def transform_command(
 def _transform_and_report(model, out, transform, overwrite, trust_remote_code) -> None:
     from lmc_mergekit.transform_checkpoint import transform_checkpoint
 
-    spec, error = transform_checkpoint(
+    spec, check = transform_checkpoint(
         model, out, transform, overwrite=overwrite, trust_remote_code=trust_remote_code
     )
     click.echo(
-        f"wrote {out} ({spec.architecture}, {spec.num_layers} layers); "
-        f"self-check: logits match the source to {error:.1e} (relative)"
+        f"wrote {out} ({spec.architecture}, {spec.num_layers} layers); self-check: "
+        + check.summary()
     )
 
 

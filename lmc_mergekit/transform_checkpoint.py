@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.selfcheck import (
     CHECK_ROWS,
+    FunctionCheck,
     LogitsCheck,
     check_layout,
     check_transformed,
@@ -34,23 +35,23 @@ def transform_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
-) -> tuple[ModelSpec, float]:
+) -> tuple[ModelSpec, FunctionCheck]:
     """Write ``source`` moved by ``transform`` to ``out`` as a stock checkpoint.
 
     Each part is moved once (in float32, float64 for parts stored in float32), written
     rounded to its source tensor's dtype and self-checked on the way (:class:`CheckedWriter`);
     only then is the folder renamed to ``out``. A family whose blocks cannot run one at a time
     is written first and checked whole (:func:`check_transformed`). Returns the written spec
-    and the function check's logits error.
+    and what the function check measured.
     """
     view = open_model(source, trust_remote_code)
     if not runs_blockwise(view):
         with staged_folder(out, "replace" if overwrite else "refuse") as staging:
             moved = apply_transform(view, transform)
             spec = view.adapter.save(moved, staging, view.folder, max_shard_size, progress)
-            error = check_transformed(view, transform, staging, trust_remote_code)
+            check = check_transformed(view, transform, staging, trust_remote_code)
         release_freed_memory()
-        return spec, error
+        return spec, check
     remembered = _LastBlock(view)
     exact = apply_transform(remembered, transform, torch.float32)
     with CheckedWriter(
@@ -148,11 +149,11 @@ class CheckedWriter:
         self._check.head(exact)
         self._saver.head(rounded(exact, self._dtypes["head"]))
 
-    def publish(self) -> tuple[ModelSpec, float]:
+    def publish(self) -> tuple[ModelSpec, FunctionCheck]:
         """Finish the folder (every byte read back), run the remaining checks and rename it
-        into place; the written spec and the function check's logits error."""
+        into place; the written spec and what the function check measured."""
         spec = self._saver.close()
-        error = self._check.error()
+        check = self._check.result()
         check_layout(self.staging, self._trust_remote_code)
         written = open_model(self.staging, self._trust_remote_code).spec
         if written.norm_eps != self.moved_spec.norm_eps or written.shape_mismatch(spec):
@@ -161,7 +162,7 @@ class CheckedWriter:
                 "does not describe the moved model; nothing was written"
             )
         self._stage.close()  # published
-        return spec, error
+        return spec, check
 
 
 class _LastBlock:

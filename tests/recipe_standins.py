@@ -112,3 +112,12 @@ def _named_models(recipe: dict) -> list[str]:
     if target:
         refs.append(str(Path(target).parent))
     return [ref.split("@")[0] for ref in refs]
+
+
+def untimed(record):
+    """A JSON record without its ``seconds`` entries, at any depth."""
+    if isinstance(record, dict):
+        return {key: untimed(value) for key, value in record.items() if key != "seconds"}
+    if isinstance(record, list):
+        return [untimed(value) for value in record]
+    return record

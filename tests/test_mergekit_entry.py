@@ -20,7 +20,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from mergekit.scripts.run_yaml import main as mergekit_yaml
-from recipe_standins import plugin_recipes, standin_workspace
+from recipe_standins import plugin_recipes, standin_workspace, untimed
 from tiny_models import stored_tensors
 from tokenizer_helpers import model_with_tokenizer
 
@@ -70,15 +70,6 @@ def assert_same_output(
     for name in timed:
         records = [untimed(json.loads((folder / name).read_text())) for folder in (a, b)]
         assert records[0] == records[1], name
-
-
-def untimed(record):
-    """A JSON record without its ``seconds`` entries, at any depth."""
-    if isinstance(record, dict):
-        return {key: untimed(value) for key, value in record.items() if key != "seconds"}
-    if isinstance(record, list):
-        return [untimed(value) for value in record]
-    return record
 
 
 @pytest.mark.slow

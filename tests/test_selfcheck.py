@@ -60,7 +60,7 @@ def bf16_copy(source, target):
 def test_a_changed_weight_is_refused(model_dirs, tmp_path):
     source = model_dirs["llama_gqa_tied"]
     moved, transform = _moved(source, tmp_path)
-    assert check_transformed(open_model(source), transform, moved) < 1e-5
+    assert check_transformed(open_model(source), transform, moved).error < 1e-5
 
     def perturb(tensors):
         name = next(n for n in sorted(tensors) if n.endswith("mlp.down_proj.weight"))
@@ -86,7 +86,7 @@ def test_a_changed_vocabulary_row_is_refused_when_checked_a_slice_at_a_time(
     monkeypatch.setattr(selfcheck, "CHECK_ROWS", 7)  # the vocabulary in slices of 7 rows
     source = model_dirs[variant]
     moved, transform = _moved(source, tmp_path)
-    assert check_transformed(open_model(source), transform, moved) < 1e-5
+    assert check_transformed(open_model(source), transform, moved).error < 1e-5
 
     def perturb(tensors):
         tensors[tensor][-1] = tensors[tensor][-1] * 1.01  # the last slice's last row
@@ -101,7 +101,7 @@ def test_a_small_bfloat16_mistake_that_rounding_would_hide_is_refused(model_dirs
     less than the old tolerance (5e-2 of the largest logit) allowed: the check sees them."""
     source = bf16_copy(model_dirs["qwen2_gqa_bias_tied"], tmp_path / "bf16")
     moved, transform = _moved(source, tmp_path)
-    error = check_transformed(open_model(source), transform, moved)
+    error = check_transformed(open_model(source), transform, moved).error
     assert error < 1e-4  # float32 precision, although the weights are bf16
 
     def nudge(tensors):
@@ -204,3 +204,68 @@ def test_a_writer_handed_a_part_that_is_not_the_symmetry_publishes_nothing(model
                 writer.head(chunk)
             writer.publish()
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def _ill_conditioned(spec, condition: float, seed: int = 3):
+    """A random symmetry whose per-head QK and OV maps have singular values spread over
+    ``condition``: exact, but its float32 computation is ``condition`` times noisier."""
+    from dataclasses import replace
+
+    from lmc_mergekit.symmetry.sampling import random_rope_maps, random_well_conditioned
+
+    generator = torch.Generator().manual_seed(seed)
+    heads, dh = spec.num_kv_heads, spec.head_dim
+    layers = tuple(
+        replace(
+            layer,
+            qk=random_rope_maps(heads, dh, spec.rotary_dims, generator, condition),
+            ov=random_well_conditioned((heads,), dh, generator, condition),
+        )
+        for layer in random_transform(spec, seed).layers
+    )
+    return replace(random_transform(spec, seed), layers=layers)
+
+
+def test_a_symmetry_at_the_noise_edge_is_kept(model_dirs, tmp_path):
+    """Per-head maps of condition 1e4 make the moved model's float32 logits differ from the
+    source's by more than the old fixed tolerance (1e-4) allowed; its own float32 noise sets
+    the tolerance now, and the exact transform passes."""
+    source = model_dirs["llama"]
+    transform = _ill_conditioned(open_model(source).spec, 1e4)
+    _, check = transform_checkpoint(source, tmp_path / "moved", transform, progress=False)
+    ids = probe_ids()
+    float32_gap = relative_logits_error(
+        checkpoint_logits(tmp_path / "moved", ids), checkpoint_logits(source, ids)
+    )
+    assert float32_gap > 1e-4  # what the fixed tolerance refused
+    assert check.error <= check.tolerance < 1e-2
+    assert check.tolerance == pytest.approx(16 * check.noise)
+
+
+def test_a_wrong_block_is_refused_in_a_noisy_model(model_dirs, tmp_path):
+    """The tolerance the noise grants still catches a block moved by another symmetry."""
+    from lmc_mergekit.symmetry import apply_transform
+    from lmc_mergekit.transform_checkpoint import CheckedWriter
+
+    source = open_model(model_dirs["llama"])
+    right = apply_transform(source, _ill_conditioned(source.spec, 1e4), torch.float32)
+    wrong = apply_transform(source, _ill_conditioned(source.spec, 1e4, seed=4), torch.float32)
+    with pytest.raises(LmcError, match="is not a symmetry of this model"):
+        with CheckedWriter(source, right.spec, tmp_path / "out", progress=False) as writer:
+            for chunk in right.row_chunks("embeddings", 16384):
+                writer.embeddings(chunk)
+            for index in range(source.spec.num_layers):
+                writer.block(index, (wrong if index == 1 else right).block(index))
+            for chunk in right.row_chunks("head", 16384):
+                writer.head(chunk)
+            writer.publish()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_transform_too_noisy_to_check_is_refused(model_dirs, tmp_path):
+    """Maps of condition 1e5 make float32 noise that could hide a mistake: refused, said so."""
+    source = model_dirs["llama"]
+    transform = _ill_conditioned(open_model(source).spec, 1e5)
+    with pytest.raises(LmcError, match=r"self-check cannot tell: .* ill-conditioned"):
+        transform_checkpoint(source, tmp_path / "moved", transform, progress=False)
+    assert not (tmp_path / "moved").exists()

@@ -471,7 +471,8 @@ def test_the_recipe_writes_a_narrower_model_that_loads_and_generates(trained_pai
     assert generated.shape == (1, 8)
     report = json.loads((out / "subclone_report.json").read_text())
     donor = report["donors"][0]
-    assert donor["self_check_error"] < 1e-4
+    check = donor["self_check"]
+    assert check["error"] <= check["tolerance"] <= 1e-2 and check["noise"] > 0
     assert report["calibration"]["sequences"] == 64
     assert len(donor["conversion"]["residual_channels"]) == 16
     assert donor["conversion"]["rotary"]["kept_pairs"] == [0, 2]

@@ -258,7 +258,7 @@ def test_a_last_round_writes_the_checkpoints_it_moved_and_they_pass_the_check(
     for name, pending in (("a", result.written_reference), ("b", result.written)):
         pending.publish()
         source, view, transform = moves[name]
-        assert check_transformed(view, transform, tmp_path / f"fused-{name}") < 1e-4
+        assert check_transformed(view, transform, tmp_path / f"fused-{name}").error < 1e-4
         transform_checkpoint(source, tmp_path / f"apart-{name}", transform, progress=False)
         fused, apart = (
             open_model(tmp_path / f"fused-{name}"),

@@ -5,9 +5,15 @@ Two checks, both before anything is kept:
 - **function**: the exact transform of the source (computed in float32, float64 for parts
   stored in float32; see :func:`~lmc_mergekit.symmetry.actions.compute_dtype`) must compute the
   source's logits on a probe batch (bundled text through the model's own tokenizer, or fixed
-  random ids without one) to float32 precision, whatever the checkpoint's dtype:
-  ``max|Δlogits| / max(1, max|logits|) ≤ 1e-4``. This catches any transform that is not a
-  symmetry of the model.
+  random ids without one), whatever the checkpoint's dtype. Both models run in float64, so
+  that the float32 noise of a deep or wide model does not count as a difference; the moved
+  model also runs in float32, and its own float32 noise on the probe sets the tolerance:
+  ``max|Δlogits| / max(1, max|logits|)`` of the two float64 runs must stay within
+  :data:`NOISE_MARGIN` times the moved model's float32-against-float64 difference (at least
+  :data:`FUNCTION_FLOOR`). A wrong transform moves the logits by orders of magnitude more; a
+  model whose float32 noise is so large that the tolerance would pass :data:`FUNCTION_CEILING`
+  (per-head maps too ill-conditioned to check) is refused. The measured error, noise and
+  tolerance are returned (:class:`FunctionCheck`) and recorded in the reports.
 - **storage**: every written tensor must be that exact transform rounded once to the written
   tensor's dtype, within a few units in the last place, and keep its source tensor's dtype; and
   ``transformers`` must load the written folder without a missing, unexpected or mis-shaped
@@ -26,7 +32,7 @@ computed once (:class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,12 +50,18 @@ from lmc_mergekit.models.view import (
     Head,
     ModelSpec,
     iter_tensors,
+    map_tensors,
     row_chunks,
 )
 from lmc_mergekit.symmetry import Transform, apply_transform
 
-#: Relative logits error allowed between two float32 computations of one function.
-FUNCTION_TOLERANCE = 1e-4
+#: The function check allows this many times the moved model's own float32 noise on the probe
+#: (two float32 computations of one function differ by about one to three times it).
+NOISE_MARGIN = 16.0
+#: The least tolerance of the function check (a model whose float32 run is nearly exact).
+FUNCTION_FLOOR = 1e-6
+#: The largest tolerance the check may grant: beyond it, noise could hide a wrong transform.
+FUNCTION_CEILING = 1e-2
 #: Units in the last place of its dtype a written tensor may differ from the exact transform.
 STORAGE_ULPS = 2
 PROBE_SHAPE = (2, 48)
@@ -80,11 +92,18 @@ def load_fp32(
 ) -> torch.nn.Module:
     """A checkpoint as a float32 ``transformers`` model in eval mode; with ``untie``, one
     whose LM head is a parameter of its own (a tied checkpoint's is left uninitialised)."""
+    return load_model(folder, trust_remote_code, untie, torch.float32)
+
+
+def load_model(
+    folder: Path, trust_remote_code: bool, untie: bool, dtype: torch.dtype
+) -> torch.nn.Module:
+    """:func:`load_fp32` in ``dtype``."""
     overrides = {"tie_word_embeddings": False} if untie else {}
     with _quiet_loading():  # an untied load of a tied checkpoint reports its head missing
         model = AutoModelForCausalLM.from_pretrained(
             str(folder),
-            dtype=torch.float32,
+            dtype=dtype,
             trust_remote_code=trust_remote_code,
             use_kernels=False,  # the stock modules: hub kernels change the numbers checked
             **overrides,
@@ -121,19 +140,20 @@ def checkpoint_logits(
 @torch.no_grad()
 def check_transformed(
     source: CheckpointView, transform: Transform, candidate: Path, trust_remote_code: bool = False
-) -> float:
+) -> FunctionCheck:
     """Raise unless ``candidate`` is ``source`` moved by ``transform`` (see the module
-    docstring); return the function check's relative logits error."""
+    docstring); return what the function check measured."""
     written = open_model(candidate, trust_remote_code)
     check_layout(candidate, trust_remote_code)
     exact = apply_transform(source, transform, torch.float32)
     name = written.folder.name
     if not runs_blockwise(written):
         ids = probe_batch(source.folder, source.spec.vocab_size)
-        expected = load_fp32(source.folder, trust_remote_code)(ids).logits
+        expected = load_model(source.folder, trust_remote_code, False, torch.float64)(ids).logits
         stored = _StoredAsExact(exact, written)
-        actual = _whole_model(candidate, written, stored, trust_remote_code)(ids).logits
-        return raise_unless_same_function(actual, expected, source.folder.name)
+        moved = _whole_model(candidate, written, stored, trust_remote_code)
+        single = moved(ids).logits
+        return judge_function(moved.double()(ids).logits, single, expected, source.folder.name)
     check = LogitsCheck(source, written.spec, candidate, trust_remote_code)
 
     def compared(read: str):
@@ -150,18 +170,83 @@ def check_transformed(
         check.block(index, want, source.block(index))
     for chunk in compared("head"):
         check.head(chunk)
-    return check.error()
+    return check.result()
+
+
+@dataclass(frozen=True)
+class FunctionCheck:
+    """What the function check measured on its probe, each ``max|Δlogits| / max(1,
+    max|logits|)`` (:func:`relative_logits_error`): the checked model's logits against the
+    reference's (``error``), the checked model's own float32 noise there (``noise``), and the
+    tolerance it was held to (``tolerance``, from the noise)."""
+
+    error: float
+    noise: float
+    tolerance: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for a command's output."""
+        return (
+            f"logits match the source to {self.error:.1e} (relative; tolerance "
+            f"{self.tolerance:.1e}, from the float32 noise {self.noise:.1e})"
+        )
+
+
+def function_tolerance(noise: float) -> float:
+    """The tolerance of the function check for a model whose float32 noise is ``noise``."""
+    return max(FUNCTION_FLOOR, NOISE_MARGIN * noise)
+
+
+def judge_function(
+    moved: torch.Tensor, moved_fp32: torch.Tensor, expected: torch.Tensor, name: str
+) -> FunctionCheck:
+    """The function check of a moved model: its float64 logits ``moved`` against the source's
+    float64 logits ``expected``, within :func:`function_tolerance` of its own float32 noise
+    (``moved_fp32`` against ``moved``); a one-line error otherwise (not a symmetry, or too
+    noisy to tell)."""
+    noise = relative_logits_error(moved_fp32, moved)
+    return judged(
+        relative_logits_error(moved, expected),
+        noise,
+        f"the transform of {name}",
+        "the source's",
+        "it is not a symmetry of this model",
+    )
+
+
+def judged(error: float, noise: float, what: str, reference: str, meaning: str) -> FunctionCheck:
+    """:class:`FunctionCheck` of ``what`` (its ``error`` against ``reference`` and its float32
+    ``noise``), or the one-line error where the tolerance is above the ceiling or the error
+    above the tolerance (which ``meaning`` explains)."""
+    tolerance = function_tolerance(noise)
+    if not tolerance <= FUNCTION_CEILING:
+        raise LmcError(
+            f"self-check cannot tell: {what} computes in float32 with a noise of {noise:.1e} "
+            f"(relative) on the probe, too large to tell a symmetry from a mistake (above "
+            f"{FUNCTION_CEILING / NOISE_MARGIN:.0e}; ill-conditioned per-head maps?); nothing "
+            "was written"
+        )
+    if not error <= tolerance:
+        raise LmcError(
+            f"self-check failed: {what} computes logits {error:.3e} (relative) away from "
+            f"{reference}, above {tolerance:.1e} ({NOISE_MARGIN:g} × its float32 noise "
+            f"{noise:.1e}): {meaning}; nothing was written"
+        )
+    return FunctionCheck(error, noise, tolerance)
 
 
 class LogitsCheck:
-    """The function check, fed a part at a time: the logits of the source and of the exact
-    moved model on the probe batch, each model's residual stream carried through its blocks
-    by one-layer stock modules (the moved one of ``moved_folder``'s config, or the source's
-    rewritten for ``moved_spec``: what the written config.json says).
+    """The function check, fed a part at a time: the logits of the source (in float64) and of
+    the exact moved model (in float64 and in float32) on the probe batch, each residual stream
+    carried through its blocks by one-layer stock modules (the moved one of ``moved_folder``'s
+    config, or the source's rewritten for ``moved_spec``: what the written config.json says).
 
     Hand in the moved embeddings' vocabulary slices in order, then the blocks in order (each
-    with the source's block), then the head's slices in order; :meth:`error` raises unless the
-    two agree to float32 precision and returns their relative difference."""
+    with the source's block), then the head's slices in order; :meth:`result` raises unless
+    the two agree within the moved model's float32 noise and returns what it measured."""
 
     def __init__(
         self,
@@ -173,21 +258,24 @@ class LogitsCheck:
         self.source, self.moved_spec = source, moved_spec
         self.ids = probe_batch(source.folder, source.spec.vocab_size)
         self._tokens, self._positions = torch.unique(self.ids, return_inverse=True)
-        cpu = torch.device("cpu")
+        cpu, wide = torch.device("cpu"), torch.float64
         self._source_runner = BlockRunner(
-            source.folder, source.adapter, source.spec, cpu, trust_remote_code
+            source.folder, source.adapter, source.spec, cpu, trust_remote_code, wide
         )
-        self._moved_runner = self._source_runner  # one set of modules where they agree
-        if moved_folder is not None or moved_spec != source.spec:
-            self._moved_runner = BlockRunner(
-                moved_folder or source.folder, source.adapter, moved_spec, cpu, trust_remote_code
-            )
-        self._source = embedded(source, self.ids)
-        self._moved: torch.Tensor | None = None
+        # One set of float64 modules where the two configs agree.
+        other = moved_folder is not None or moved_spec != source.spec
+        folder = moved_folder or source.folder
+        self._moved_runners = {
+            dtype: BlockRunner(folder, source.adapter, moved_spec, cpu, trust_remote_code, dtype)
+            for dtype in ((torch.float32, wide) if other else (torch.float32,))
+        }
+        self._moved_runners.setdefault(wide, self._source_runner)
+        self._source = embedded(source, self.ids).to(wide)
+        self._moved: dict[torch.dtype, torch.Tensor] = {}
         self._rows: list[torch.Tensor] = []  # the probe's token rows of each embeddings slice
         self._first: Embeddings | None = None
         self._seen = self._blocks = self._head_rows = 0
-        self._logits: list[torch.Tensor] = []
+        self._logits: dict[torch.dtype, list[torch.Tensor]] = {d: [] for d in self._moved_runners}
 
     def embeddings(self, chunk: Embeddings) -> None:
         """The next slice of the moved embeddings' vocabulary rows."""
@@ -200,21 +288,26 @@ class LogitsCheck:
         """Block ``index`` of the moved model and of the source, run on their streams."""
         if index != self._blocks or self._seen != self.source.spec.vocab_size:
             raise LmcError(f"self-check: block {index} came out of order")
-        if self._moved is None:
+        if not self._moved:
             table = replace(self._first, tokens=torch.cat(self._rows))
-            self._moved, self._rows = embed(table, self._positions, self.moved_spec), []
+            for dtype in self._moved_runners:
+                exact = map_tensors(table, lambda t, dtype=dtype: t.to(dtype))
+                self._moved[dtype] = embed(exact, self._positions, self.moved_spec)
+            self._rows = []
         self._source = self._source_runner.run(source, self._source, index).output
-        self._moved = self._moved_runner.run(moved, self._moved, index).output
+        for dtype, runner in self._moved_runners.items():
+            self._moved[dtype] = runner.run(moved, self._moved[dtype], index).output
         self._blocks += 1
 
     def head(self, chunk: Head) -> None:
         """The next slice of the moved head's vocabulary rows."""
-        self._logits.append(final_logits(chunk, self._moved, self.moved_spec))
+        for dtype, logits in self._logits.items():
+            logits.append(final_logits(chunk, self._moved[dtype], self.moved_spec))
         self._head_rows += len(chunk.weight)
 
-    def error(self) -> float:
+    def result(self) -> FunctionCheck:
         """Raise unless the moved model computed the source's logits (see the module
-        docstring); their relative difference."""
+        docstring); what the check measured."""
         spec = self.source.spec
         if self._blocks != spec.num_layers or self._head_rows != spec.vocab_size:
             raise LmcError("self-check: the moved model was not handed in whole")
@@ -225,22 +318,8 @@ class LogitsCheck:
             ],
             dim=-1,
         )
-        return raise_unless_same_function(
-            torch.cat(self._logits, dim=-1), expected, self.source.folder.name
-        )
-
-
-def raise_unless_same_function(actual: torch.Tensor, expected: torch.Tensor, name: str) -> float:
-    """The relative logits error of a moved model's ``actual`` logits against its source's;
-    a one-line error where it is above :data:`FUNCTION_TOLERANCE` (not a symmetry)."""
-    error = relative_logits_error(actual, expected)
-    if not error <= FUNCTION_TOLERANCE:
-        raise LmcError(
-            f"self-check failed: the transform of {name} computes logits {error:.3e} "
-            f"(relative) away from the source's, above {FUNCTION_TOLERANCE:.0e}: it is not a "
-            "symmetry of this model; nothing was written"
-        )
-    return error
+        single, wide = (torch.cat(self._logits[d], dim=-1) for d in (torch.float32, torch.float64))
+        return judge_function(wide, single, expected, self.source.folder.name)
 
 
 class _StoredAsExact:

@@ -72,8 +72,8 @@ class _OneLayer(FunctionalModel):
     """A one-layer stock module of the architecture, with hooks on the modules the adapter
     names, run on one block's weights."""
 
-    def __init__(self, folder, adapter, spec, device, trust_remote_code):
-        super().__init__(folder, adapter, spec, device, trust_remote_code)
+    def __init__(self, folder, adapter, spec, device, trust_remote_code, dtype=torch.float32):
+        super().__init__(folder, adapter, spec, device, trust_remote_code, dtype)
         modules = dict(self.module.named_modules())
         self.seen: dict[str, torch.Tensor] = {}
         for role in ("attn_out", "mlp_out", "mlp_norm"):
@@ -89,7 +89,9 @@ class _OneLayer(FunctionalModel):
             self._positions = self.adapter.embeddings_tensors(
                 Embeddings(
                     tokens=self.module.get_input_embeddings().weight,
-                    positions=torch.zeros(spec.learned_positions, spec.hidden_size, device=device),
+                    positions=torch.zeros(
+                        spec.learned_positions, spec.hidden_size, device=device, dtype=dtype
+                    ),
                 ),
                 self.spec,
             )
@@ -105,8 +107,8 @@ class _OneLayer(FunctionalModel):
         raise _Stop
 
     def _state(self, block: Block) -> dict[str, torch.Tensor]:
-        """The module's weights for ``block`` (as layer 0), float32 on the module's device."""
-        return self._checked({k: t.to(self.device, torch.float32) for k, t in self._tensors(block)})
+        """The module's weights for ``block`` (as layer 0), in its dtype on its device."""
+        return self._checked({k: t.to(self.device, self.dtype) for k, t in self._tensors(block)})
 
     def _tensors(self, block: Block) -> Iterator[tuple[str, torch.Tensor]]:
         """``block``'s tensors (as layer 0) under the module's names, as they are."""
@@ -148,7 +150,7 @@ class _OneLayer(FunctionalModel):
     def each(self, block: Block, residuals: Iterable[torch.Tensor]) -> Iterator[BlockActivations]:
         state = self._state(block)
         for residual in residuals:
-            seen = self._run(state, residual.to(torch.float32))
+            seen = self._run(state, residual.to(self.dtype))
             yield BlockActivations(
                 output=seen["output"],
                 mlp_reads=seen["mlp_norm"],
@@ -288,8 +290,8 @@ class _MixingLayer(_OneLayer):
     several models' blocks, the norms' vectors mixed as weights, each projection once per
     model."""
 
-    def __init__(self, folder, adapter, spec, device, trust_remote_code):
-        super().__init__(folder, adapter, spec, device, trust_remote_code)
+    def __init__(self, folder, adapter, spec, device, trust_remote_code, dtype=torch.float32):
+        super().__init__(folder, adapter, spec, device, trust_remote_code, dtype)
         prefix = adapter.block_modules["block"] + "."
         writers = {adapter.block_modules[role] for role in ("attn_out", "mlp_out")}
         paths = [
@@ -390,7 +392,8 @@ class _MixingLayer(_OneLayer):
 
 class BlockRunner:
     """Runs blocks of models of ``spec``'s shape (``folder`` supplies the rest of the config),
-    each in a one-layer functional model of its layer's attention type."""
+    each in a one-layer functional model of its layer's attention type, in ``dtype`` (float32;
+    the self-check's reference runs in float64)."""
 
     def __init__(
         self,
@@ -399,6 +402,7 @@ class BlockRunner:
         spec: ModelSpec,
         device: torch.device,
         trust_remote_code: bool = False,
+        dtype: torch.dtype = torch.float32,
     ):
         if not adapter.block_modules:
             raise LmcError(
@@ -409,7 +413,7 @@ class BlockRunner:
         if problem is not None:
             raise LmcError(problem)
         self.folder, self.adapter, self.spec, self.device = folder, adapter, spec, device
-        self._trust_remote_code = trust_remote_code
+        self.dtype, self._trust_remote_code = dtype, trust_remote_code
         self._layers: dict[tuple[type, tuple[str, ...]], _OneLayer] = {}
 
     def _layer(self, index: int, kind: type[_OneLayer] = _OneLayer) -> _OneLayer:
@@ -417,7 +421,7 @@ class BlockRunner:
         if (kind, types) not in self._layers:
             one = replace(self.spec, num_layers=1, tied_embeddings=False, layer_types=types)
             self._layers[kind, types] = kind(
-                self.folder, self.adapter, one, self.device, self._trust_remote_code
+                self.folder, self.adapter, one, self.device, self._trust_remote_code, self.dtype
             )
         return self._layers[kind, types]
 
@@ -438,7 +442,7 @@ class BlockRunner:
         """The logits of the model ``view`` (of this runner's shape) on ``input_ids``, computed
         block by block: what a checkpoint written from ``view`` must reproduce."""
         spec = view.spec
-        residual = embedded(view, input_ids).to(self.device, torch.float32)
+        residual = embedded(view, input_ids).to(self.device, self.dtype)
         for index in range(spec.num_layers):
             residual = self.run(view.block(index), residual, index).output
         chunks = row_chunks(view, "head", VOCAB_ROWS)

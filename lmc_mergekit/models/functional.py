@@ -30,20 +30,26 @@ def module_config(
     return adapter.text_config(updated)
 
 
-def stock_module(config: PretrainedConfig, device: torch.device, trust_remote_code: bool = False):
-    """A float32 module of ``config`` in eval mode with frozen placeholder parameters, left
-    uninitialised: every call supplies the weights it runs (initialising a 7B layer's
-    placeholders would take seconds and make their 0.8 GB resident; untouched, they are not)."""
+def stock_module(
+    config: PretrainedConfig,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
+    """A module of ``config`` in ``dtype`` (float32 unless told) in eval mode with frozen
+    placeholder parameters, left uninitialised: every call supplies the weights it runs
+    (initialising a 7B layer's placeholders would take seconds and make their 0.8 GB
+    resident; untouched, they are not)."""
     with no_init_weights():
         module = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, trust_remote_code=trust_remote_code
+            config, dtype=dtype, trust_remote_code=trust_remote_code
         )
     return module.to(device).eval().requires_grad_(False)
 
 
 class FunctionalModel:
     """A stock ``transformers`` module of ``folder``'s architecture (embeddings untied, norms'
-    eps taken from ``spec``) whose block weights come with every call."""
+    eps taken from ``spec``) in ``dtype`` whose block weights come with every call."""
 
     def __init__(
         self,
@@ -52,6 +58,7 @@ class FunctionalModel:
         spec: ModelSpec,
         device: torch.device,
         trust_remote_code: bool = False,
+        dtype: torch.dtype = torch.float32,
     ):
         config = module_config(folder, adapter, spec, trust_remote_code)
         config.tie_word_embeddings = False
@@ -60,5 +67,5 @@ class FunctionalModel:
         # would cost vocabulary × width twice: 4.7 GB at Gemma 2's 256k × 2304).
         config.vocab_size, config.pad_token_id = 1, None
         self.adapter, self.spec = adapter, spec
-        self.module = stock_module(config, device, trust_remote_code)
-        self.device = device
+        self.module = stock_module(config, device, trust_remote_code, dtype)
+        self.device, self.dtype = device, dtype

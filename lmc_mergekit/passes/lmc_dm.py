@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from lmc_mergekit.data.tokenizer import shared_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.barrier import PathLoss, interpolation_losses, plot_paths
+from lmc_mergekit.evaluation.selfcheck import FunctionCheck
 from lmc_mergekit.matching.align import MATCHED_FILE, AlignConfig, Matching, align
 from lmc_mergekit.matching.learned_matching import LearningConfig, check_learnable
 from lmc_mergekit.models.adapters import open_model
@@ -377,6 +378,9 @@ class AlignmentPreparation(Record):
     seconds: dict[str, float]
     tied_embeddings: TieRecord | None = None
     one_basin: bool = False
+    #: Per input, what the self-check of its written checkpoint measured (error, noise,
+    #: tolerance: :class:`~lmc_mergekit.evaluation.selfcheck.FunctionCheck`).
+    self_check: list[dict] = Field(default_factory=list)
 
 
 class RepairRecord(Record):
@@ -432,6 +436,8 @@ class AlignmentReport(Report):
     tied_embeddings: TieRecord | None = None
     one_basin: bool = False
     repair: RepairRecord | None = None
+    #: Per input, what the self-check of its written checkpoint measured.
+    self_check: list[dict] = Field(default_factory=list)
     #: Losses taken from another measurement of the same function, not evaluated again.
     reused: list[str] = Field(default_factory=list)
 
@@ -530,7 +536,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
     if not ctx.processes.is_main:
         return AlignmentPreparation(matching=alignment.matching, learning=learning, seconds={})
     started = time.perf_counter()
-    written = write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx, alignment.written)
+    written, checks = write_moved(ctx.inputs, ctx.outputs, alignment.final, ctx, alignment.written)
     seconds["writing_and_self_check"] = time.perf_counter() - started
     if learning is not None:  # the measurement walks the weight-matched paths too (same files)
         ctx.artefacts.mkdir(parents=True, exist_ok=True)
@@ -545,6 +551,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         seconds={key: round(value, 3) for key, value in seconds.items()},
         tied_embeddings=tie,
         one_basin=alignment.one_basin,
+        self_check=[check.as_dict() for check in checks],
     )
 
 
@@ -555,32 +562,33 @@ def write_moved(
     ctx,
     written: dict[int, CheckedWriter] | None = None,
     progress: bool = True,
-) -> list[ModelSpec]:
+) -> tuple[list[ModelSpec], list[FunctionCheck]]:
     """Every input moved by its transform into ``outputs`` (each self-checked), or published
     by the writer in ``written`` that weight matching already handed it to; the written
-    specs."""
+    specs and what each self-check measured."""
     written = dict(written or {})
-    specs = []
+    specs, checks = [], []
     try:
         for index, (source, out, transform) in enumerate(
             zip(inputs, outputs, transforms, strict=True)
         ):
             if index in written:
-                specs.append(written.pop(index).publish()[0])
-                continue
-            spec, _ = transform_checkpoint(
-                source,
-                out,
-                transform,
-                max_shard_size=_shard_size(ctx),
-                progress=progress and not ctx.options.quiet,
-                trust_remote_code=ctx.options.trust_remote_code,
-            )
+                spec, check = written.pop(index).publish()
+            else:
+                spec, check = transform_checkpoint(
+                    source,
+                    out,
+                    transform,
+                    max_shard_size=_shard_size(ctx),
+                    progress=progress and not ctx.options.quiet,
+                    trust_remote_code=ctx.options.trust_remote_code,
+                )
             specs.append(spec)
+            checks.append(check)
     finally:
         for writer in written.values():  # not reached: nothing half-written stays
             writer.discard()
-    return specs
+    return specs, checks
 
 
 def _shard_size(ctx) -> int:
@@ -658,6 +666,7 @@ def measure(ctx: MeasureContext) -> AlignmentReport:
         tied_embeddings=preparation.tied_embeddings,
         one_basin=preparation.one_basin,
         repair=ctx.finished,
+        self_check=preparation.self_check,
     )
     if ctx.test is None:
         return report

@@ -15,7 +15,8 @@ from pydantic import Field, model_validator
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.selfcheck import (
-    FUNCTION_TOLERANCE,
+    FunctionCheck,
+    judged,
     load_fp32,
     relative_logits_error,
 )
@@ -127,7 +128,9 @@ class DonorRecord(Record):
     donor: str
     donor_shape: dict
     conversion: dict
-    self_check_error: float
+    #: What the check of the written checkpoint measured (error, noise, tolerance:
+    #: :class:`~lmc_mergekit.evaluation.selfcheck.FunctionCheck`).
+    self_check: dict
     seconds: float
     test_loss: DonorLosses | None = None
 
@@ -253,13 +256,13 @@ def prepare(ctx: PassContext) -> SubclonePreparation | None:
         record = conversion.record
         del conversion  # the small model, before transformers loads its written copy
         release_freed_memory()
-        error = _check_written(expected, ids, out, ctx)
+        check = _check_written(expected, ids, out, ctx)
         donors.append(
             DonorRecord(
                 donor=str(view.folder),
                 donor_shape=view.spec.shape_summary(),
                 conversion=record,
-                self_check_error=error,
+                self_check=check.as_dict(),
                 seconds=round(time.perf_counter() - started, 3),
             )
         )
@@ -323,33 +326,38 @@ def _check_enough_tokens(target, data: SplitRecord, settings: SubcloneSettings) 
         )
 
 
-def _conversion_logits(view, converted, calibration, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+def _conversion_logits(view, converted, calibration, ctx) -> tuple[dict, torch.Tensor]:
     """The logits the conversion ``converted`` of ``view`` computes block by block on a probe
-    batch of ``calibration``, and the probe batch."""
+    batch of ``calibration`` in float32 and in float64 (by dtype), and the probe batch."""
     batch, length = PROBE
     ids = calibration[:batch, :length]
-    runner = BlockRunner(
-        view.folder,
-        view.adapter,
-        converted.spec,
-        torch.device("cpu"),
-        ctx.options.trust_remote_code,
-    )
-    return runner.logits(converted, ids), ids
+    logits = {}
+    for dtype in (torch.float32, torch.float64):
+        runner = BlockRunner(
+            view.folder,
+            view.adapter,
+            converted.spec,
+            torch.device("cpu"),
+            ctx.options.trust_remote_code,
+            dtype,
+        )
+        logits[dtype] = runner.logits(converted, ids)
+    return logits, ids
 
 
-def _check_written(expected: torch.Tensor, ids: torch.Tensor, out: Path, ctx) -> float:
+def _check_written(expected: dict, ids: torch.Tensor, out: Path, ctx) -> FunctionCheck:
     """Reload the written checkpoint through ``transformers``: on ``ids`` it must compute the
-    conversion's logits ``expected`` (catches any config or layout mismatch)."""
+    conversion's float64 logits ``expected[torch.float64]`` within the tolerance of the
+    conversion's float32 noise there (catches any config or layout mismatch)."""
     with torch.no_grad():
         actual = load_fp32(out, ctx.options.trust_remote_code)(ids).logits
-    error = relative_logits_error(actual, expected)
-    # The conversion's view holds exactly the written values (in their dtype): both sides are
-    # float32 computations of one set of weights, whatever the storage dtype.
-    tolerance = FUNCTION_TOLERANCE
-    if not error <= tolerance:
-        raise LmcError(
-            f"self-check failed: the written {out.name} computes logits {error:.2e} (relative) "
-            f"away from the conversion's own, above {tolerance:.0e}; nothing was kept"
-        )
-    return error
+    # The conversion's view holds exactly the written values (in their dtype): both sides
+    # compute one set of weights, whatever the storage dtype.
+    wide = expected[torch.float64]
+    return judged(
+        relative_logits_error(actual, wide),
+        relative_logits_error(expected[torch.float32], wide),
+        f"the written {out.name}",
+        "the conversion's own",
+        "its config or layout is not the conversion's",
+    )
