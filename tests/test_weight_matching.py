@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VARIANTS, probe_ids
+from tiny_models import VARIANTS, build_model, probe_ids
 
 from lmc_mergekit.evaluation.barrier import interpolation_losses
 from lmc_mergekit.matching import assignment, match_weights, weight_matching
@@ -278,6 +278,15 @@ def ulps_apart(stored: torch.Tensor, other: torch.Tensor) -> float:
     return units_in_last_place(stored, other.double())
 
 
+def test_a_bf16_scramble_is_undone_in_one_round_at_its_rounding_floor(model_dirs, tmp_path):
+    """The first round brings a scrambled bf16 copy within its own rounding of the original:
+    matching stops there instead of running a round that only confirms it."""
+    a, b = _bf16_pair(model_dirs["llama_gqa_tied"], tmp_path)
+    result = match_weights(open_model(a), open_model(b))
+    assert result.iterations == 1 and "the rounding of the stored weights" in result.stopped
+    assert result.distances[0] > 0.5 and result.distance < 1e-2
+
+
 def test_a_float32_model_is_not_written_by_the_round(model_dirs, tmp_path):
     """A model stored in float32 is moved in float64 to be written: the round's float32 parts
     are not what it writes, so no writer is made."""
@@ -294,17 +303,20 @@ def test_a_float32_model_is_not_written_by_the_round(model_dirs, tmp_path):
 def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs, tmp_path):
     """Where the last round does not improve on the one before, its writer is discarded and
     nothing is published."""
+    from test_selfcheck import bf16_copy
+
     from lmc_mergekit.transform_checkpoint import CheckedWriter
 
-    a, b = _bf16_pair(model_dirs["llama_gqa_tied"], tmp_path)
-    other = open_model(b)
+    a = bf16_copy(model_dirs["llama_gqa_tied"], tmp_path / "a-bf16")
+    b = build_model("llama_gqa_tied", tmp_path / "b", seed=1)
+    other = open_model(bf16_copy(b, tmp_path / "b-bf16"))
     writers = []
 
     def writer(spec):
         writers.append(CheckedWriter(other, spec, tmp_path / "fused", progress=False))
         return writers[-1]
 
-    # A scramble is undone in the first round: the second gains nothing and is not kept.
+    # Two models trained apart: a second round gains far less than half and is not kept.
     result = match_weights(open_model(a), other, max_iterations=2, tolerance=0.5, writer=writer)
     assert result.iterations == 2 and "round 1's result kept" in result.stopped
     assert len(writers) == 1 and result.written is None

@@ -11,8 +11,10 @@ Coordinate descent over the symmetry group (reference notes §2, §4):
 3. the rotation refitted on every weight of the model, given those assignments;
 
 repeated until no assignment changes, the refitted rotation no longer moves, a round shortens
-the distance by less than ``tolerance``, or ``max_iterations`` rounds have run
-(:attr:`MatchResult.stopped` says which). Each round is one pass over the layers, reading each
+the distance by less than ``tolerance``, a round brings B within twice its storage rounding of
+A (B is A moved by a symmetry and rounded: a scramble is undone in one round, and a second
+would only confirm it), or ``max_iterations`` rounds have run (:attr:`MatchResult.stopped`
+says which). Each round is one pass over the layers, reading each
 block of both models once (memory: the block being solved, never a model); a layer whose
 assignment did not change in the last round is not solved again while the rotation barely
 moves. The moves run in float32 on ``device``, the similarities that only rank heads and
@@ -60,6 +62,7 @@ from lmc_mergekit.matching.assignment import (
 )
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_normed_qk_maps, fit_rope_maps
 from lmc_mergekit.matching.procrustes import residual_procrustes
+from lmc_mergekit.models.checkpoint import row_slices
 from lmc_mergekit.models.view import (
     Attention,
     Block,
@@ -92,6 +95,12 @@ STEADY_ROTATION = 1e-3
 #: next round solve the same problems again: the descent has settled (a scramble, undone in
 #: one round, stops there).
 SETTLED_ROTATION = 1e-5
+#: A round that brings B within this many times its storage rounding of A (the distance that
+#: rounding B's weights to their dtype alone leaves) has found the symmetry: B is A moved and
+#: rounded, and no round can shorten the distance further (a scramble, undone in one round).
+ROUNDING_FLOOR = 2.0
+#: Elements of a stored tensor whose rounding is measured at a time.
+ROUNDING_ELEMENTS = 1 << 22
 #: Where the heavy products run (the fits and the assignments run in float64 on the CPU).
 WORK_DTYPE = torch.float32
 #: Token rows of the embeddings and the head worked on at a time: the descent holds a block of
@@ -177,6 +186,7 @@ def match_weights(
     bar = tqdm(total=max_iterations, desc="weight matching", disable=not progress, leave=False)
     iterations, stopped = 0, f"max_iterations ({max_iterations}) rounds ran"
     moved_by = math.inf
+    floor = 0.0  # B's storage rounding, measured in the first round
     sink = None
     made = reference_writer is not None and _written_as_computed(a)
     reference_sink = reference_writer(reference.spec) if made else None
@@ -223,6 +233,14 @@ def match_weights(
                 stopped = f"no assignment changed in round {iterations}"
                 break
             if last:
+                break
+            floor = round_.floor or floor
+            if distances[-1] <= ROUNDING_FLOOR * floor:
+                stopped = (
+                    f"round {iterations} brought the distance to {distances[-1]:.2e}, within "
+                    f"{ROUNDING_FLOOR:g} × the rounding of the stored weights "
+                    f"({floor:.2e}): no round can shorten it"
+                )
                 break
             steady = [not c for c in changed]
             new_rotation = residual_procrustes(round_.cross, group)
@@ -285,6 +303,9 @@ class _Round:
     #: None after a last round.
     cross: torch.Tensor | None
     solved: int
+    #: The distance that rounding B's stored blocks to their dtype alone accounts for
+    #: (relative, as ``distance``), measured in the first round (0 after it).
+    floor: float
 
 
 def _round(
@@ -318,6 +339,8 @@ def _round(
     for index in range(spec.num_layers):
         bar.set_postfix_str(f"round {iteration}, layer {index + 1}/{spec.num_layers}")
         (raw_a, block_a), (raw, block_b) = a.read(index), b.read(index)
+        if before is not None:  # the first round: B's blocks as stored are at hand
+            before.add_rounding(raw)
         if sink_a is not None:
             sink_a.block(index, _on_cpu(block_a), raw_a)
         del raw_a
@@ -344,7 +367,8 @@ def _round(
     bar.set_postfix_str(f"round {iteration}: distance {distance:.4f}, {solved} layers solved")
     cross = None if last else acc.cross.cpu()
     initial = math.nan if before is None else before.distance()
-    return _Round(layers, changed, distance, initial, cross, solved)
+    floor = 0.0 if before is None else before.floor()
+    return _Round(layers, changed, distance, initial, cross, solved, floor)
 
 
 def _on_cpu(part):
@@ -357,6 +381,7 @@ class _Accumulator:
 
     def __init__(self, scale: float, keep_tie: bool = False):
         self.diff = self.total = 0.0
+        self.rounding = self.blocks = 0.0
         self.cross = None
         self.scale = scale
         self.keep_tie = keep_tie
@@ -367,6 +392,26 @@ class _Accumulator:
         for (_, ta), (_, tb) in zip(iter_tensors(part_a), iter_tensors(moved), strict=True):
             self.diff += float(torch.sub(ta, tb).pow_(2).sum())
             self.total += float(ta.pow(2).sum())
+
+    def add_rounding(self, stored) -> None:
+        """Add a block of B as stored: its squared norm, and the expected squared error of
+        rounding each weight to its dtype (a twelfth of its unit in the last place squared),
+        a slice of rows at a time (no float32 copy of a whole matrix)."""
+        for name, t in iter_tensors(stored):
+            if not t.is_floating_point() or "norm." in name or t.dim() == 0:
+                continue
+            eps = torch.finfo(t.dtype).eps
+            for rows in row_slices(t, ROUNDING_ELEMENTS):
+                values = t[rows].float()
+                _, exponent = torch.frexp(values)
+                unit = torch.ldexp(torch.full_like(values, eps / 2), exponent)
+                unit[values == 0] = 0  # zeros stay exact
+                self.rounding += float(unit.pow_(2).sum()) / 12
+                self.blocks += float(values.square().sum())  # values may be the stored tensor
+
+    def floor(self) -> float:
+        """The relative distance B's storage rounding accounts for (its blocks')."""
+        return (self.rounding / max(self.blocks, 1e-300)) ** 0.5
 
     def add_cross(self, part_a, part_b) -> None:
         rows_a, rows_b = (_rows(part, self.keep_tie) for part in (part_a, part_b))
