@@ -47,7 +47,7 @@ from lmc_mergekit.matching.interpolation import (
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import ModelSpec, ModelView
 from lmc_mergekit.runtime.distributed import Processes
-from lmc_mergekit.runtime.memory import trim_heap
+from lmc_mergekit.runtime.memory import require_memory, trim_heap
 from lmc_mergekit.runtime.rollback import TrainingState
 from lmc_mergekit.runtime.schedule import warmup_cosine
 from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group
@@ -221,23 +221,27 @@ def learn_symmetries(
     autocast = autocast_dtype(config.precision, device)
     sequences, heldout = heldout_split(sequences, config.heldout_sequences)
     free = None
-    if device.type == "cuda":  # before any endpoint is on the GPU: fail before heavy work
+    held = endpoint_dtype(autocast, [endpoints[0].block(0)]).itemsize
+    memory = step_memory(
+        spec,
+        len(endpoints),
+        held,
+        config.batch_size // processes.world_size * sequences.shape[-1],
+        sequences.shape[-1],
+        processes=processes.world_size,
+        scores=runner.keeps_attention_scores,
+        reads_tokens=spec.tied_embeddings and processes.world_size == 1,
+        casts=autocast is None and held < 4,
+    )
+    # Before any endpoint is loaded: fail before heavy work.
+    if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
-        held = endpoint_dtype(autocast, [endpoints[0].block(0)]).itemsize
-        memory = step_memory(
-            spec,
-            len(endpoints),
-            held,
-            config.batch_size // processes.world_size * sequences.shape[-1],
-            sequences.shape[-1],
-            processes=processes.world_size,
-            scores=runner.keeps_attention_scores,
-            reads_tokens=spec.tied_embeddings and processes.world_size == 1,
-            casts=autocast is None and held < 4,
-        )
         problem = device_shortfall(memory, free)
         if problem is not None:
             raise LmcError(problem)
+    else:
+        fits = "lower alignment batch_size, or set steps: 0 (matching alone)"
+        require_memory(memory.need(0), "learned matching", fits)
     objective = InterpolationObjective(endpoints, learned, runner, processes, autocast)
     objective.free = free
     objective.symmetries.to(device)

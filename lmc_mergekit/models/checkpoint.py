@@ -68,6 +68,11 @@ def stored_dtype(folder: Path) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
+def checkpoint_bytes(folder: Path) -> int:
+    """The bytes of a checkpoint's weights on disk (its safetensors files)."""
+    return sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
+
+
 def row_slices(tensor: torch.Tensor, elements: int) -> list[slice]:
     """Slices of ``tensor``'s rows of about ``elements`` elements each (one row at least; a
     0-d tensor is one whole slice): how large tensors are read, compared or merged a piece

@@ -77,6 +77,19 @@ class ModelSpec:
         """Query heads per key/value head."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def block_parameters(self) -> int:
+        """The weights of one block's matrices (its vectors are negligible beside them)."""
+        d, dh = self.hidden_size, self.head_dim
+        attention = 2 * self.num_heads * dh * d + 2 * self.num_kv_heads * dh * d
+        return attention + (3 if self.gated_mlp else 2) * d * self.intermediate_size
+
+    @property
+    def parameters(self) -> int:
+        """The model's weights: its blocks, embeddings and (untied) head."""
+        outside = self.vocab_size * (1 if self.tied_embeddings else 2) + self.learned_positions
+        return self.num_layers * self.block_parameters + outside * self.hidden_size
+
     def shape_summary(self) -> dict[str, int]:
         """The sizes two models must share to be merged weight by weight."""
         return {

@@ -40,6 +40,7 @@ from lmc_mergekit.passes.base import (
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.text import MergedLoss, SplitRecord, load_recipe_split, model_test_loss
 from lmc_mergekit.repair import repair_checkpoint
+from lmc_mergekit.runtime.memory import require_memory
 from lmc_mergekit.runtime.records import Record
 from lmc_mergekit.symmetry import Transform
 from lmc_mergekit.symmetry.group import DEFAULT_FAMILIES, symmetry_group, untying_gains
@@ -500,6 +501,13 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
                 config.calibration_needed,
             )
             calibration = load_recipe_split(ctx.inputs, settings, "train", most, fix)
+        itemsize = max(stored_dtype(view.folder).itemsize for view in views)
+        fits = "run it on a machine with more memory"
+        if config.matching in ("activations", "both"):
+            fits = "use matching: weights, or fewer activation_sequences, or " + fits
+        require_memory(
+            config.matching_memory(specs[0], itemsize, settings.seq_len), "matching", fits
+        )
 
     def writer(index: int, spec: ModelSpec) -> CheckedWriter:
         # Where weight matching's last round moves a model as it would be written.

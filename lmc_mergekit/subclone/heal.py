@@ -27,8 +27,10 @@ from lmc_mergekit.data.sources import data_fingerprint
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.evaluation.loss import mean_token_loss, resolve_device
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.checkpoint import model_dir, read_config, stored_dtype
+from lmc_mergekit.models.checkpoint import checkpoint_bytes, model_dir, read_config, stored_dtype
+from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.runtime.keys import content_key, fingerprint
+from lmc_mergekit.runtime.memory import require_memory
 from lmc_mergekit.runtime.precision import SIXTEEN_BIT, native_16bit
 from lmc_mergekit.runtime.publish import check_output_free
 from lmc_mergekit.subclone.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, Distillation
@@ -124,6 +126,18 @@ def load_teacher(
     return Distillation(model, temperature, weight, softcaps, float32_products=emulated)
 
 
+def heal_memory(spec: ModelSpec, teacher_bytes: int, tokens: int, checkpointing: bool) -> int:
+    """The bytes a heal of a student of ``spec`` holds at its peak beyond the process's start
+    (estimate): float32 AdamW training (weights, gradients, two moments), the teacher as stored
+    (``teacher_bytes``; 0 without one), the activations of ``tokens`` tokens a step (about
+    ``10·d + 3·dff`` floats a token and layer; half with ``checkpointing``, which keeps each
+    layer's input only) and the loss's logits with their gradient. On the 1B heal of
+    ``benchmarks/scale.py heal`` it gives 4 % more than the measured peak RSS."""
+    layer = (10 * spec.hidden_size + 3 * spec.intermediate_size) * (2 if checkpointing else 4)
+    logits = 3 * 4 * tokens * spec.vocab_size
+    return 16 * spec.parameters + teacher_bytes + spec.num_layers * tokens * layer + logits
+
+
 def heal(
     source: str | Path,
     out: str | Path,
@@ -177,6 +191,14 @@ def heal(
     if test is None:
         test = {"test": load_split(data, tokenizer, "test", eval_sequences)}
     device = resolve_device(device)
+    if device.type == "cpu":  # before any model loads
+        stored = 0 if teacher is None else checkpoint_bytes(model_dir(teacher))
+        tokens = batch_size * data.seq_len
+        need = heal_memory(open_model(folder).spec, stored, tokens, gradient_checkpointing)
+        fits = "a smaller --batch-size" + ("" if teacher is None else ", --no-teacher")
+        if not gradient_checkpointing:
+            fits = "--gradient-checkpointing, " + fits
+        require_memory(need, "healing", f"try {fits}")
     distillation = None
     if teacher is not None:  # refused before the student loads and any step runs
         teacher = model_dir(teacher)
