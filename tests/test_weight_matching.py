@@ -287,6 +287,34 @@ def test_a_bf16_scramble_is_undone_in_one_round_at_its_rounding_floor(model_dirs
     assert result.distances[0] > 0.5 and result.distance < 1e-2
 
 
+def test_layers_at_the_rounding_floor_still_count_where_a_next_round_runs(
+    model_dirs, tmp_path, monkeypatch
+):
+    """A layer matched to B's storage rounding in the first round is left out of the next
+    rotation's fit until the round ends above the floor; then it is read again and counted:
+    the descent is the one that never defers (same assignments, same rotation to float64
+    summation order)."""
+    from safetensors.torch import load_file, save_file
+
+    a, b = _bf16_pair(model_dirs["llama_gqa_tied"], tmp_path)
+    (shard,) = b.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = "model.layers.1.mlp.down_proj.weight"  # layer 1 only: layer 0 stays at the floor
+    noise = torch.randn(tensors[name].shape, generator=torch.Generator().manual_seed(0))
+    tensors[name] = (tensors[name].float() + 0.5 * tensors[name].float().std() * noise).bfloat16()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    deferring = match_weights(open_model(a), open_model(b), max_iterations=3)
+    monkeypatch.setattr(weight_matching, "ROUNDING_FLOOR", 0.0)
+    plain = match_weights(open_model(a), open_model(b), max_iterations=3)
+    assert deferring.iterations == plain.iterations > 1
+    torch.testing.assert_close(
+        deferring.transform.rotation, plain.transform.rotation, rtol=0, atol=1e-9
+    )
+    for got, want in zip(deferring.transform.layers, plain.transform.layers, strict=True):
+        assert torch.equal(got.head_perm, want.head_perm)
+        assert torch.equal(got.ffn_perm, want.ffn_perm)
+
+
 def test_a_float32_model_is_not_written_by_the_round(model_dirs, tmp_path):
     """A model stored in float32 is moved in float64 to be written: the round's float32 parts
     are not what it writes, so no writer is made."""

@@ -99,8 +99,10 @@ SETTLED_ROTATION = 1e-5
 #: rounding B's weights to their dtype alone leaves) has found the symmetry: B is A moved and
 #: rounded, and no round can shorten the distance further (a scramble, undone in one round).
 ROUNDING_FLOOR = 2.0
-#: Elements of a stored tensor whose rounding is measured at a time.
+#: Elements of a stored tensor whose rounding is measured at a time, and the rows measured (one
+#: in this many: the rounding of a row is a sample of the tensor's).
 ROUNDING_ELEMENTS = 1 << 22
+ROUNDING_STRIDE = 8
 #: Where the heavy products run (the fits and the assignments run in float64 on the CPU).
 WORK_DTYPE = torch.float32
 #: Token rows of the embeddings and the head worked on at a time: the descent holds a block of
@@ -336,11 +338,15 @@ def _round(
 
     outside_part("embeddings")
     layers, changed, solved = [], [], 0
+    # First-round layers B matches to its storage rounding: their share of the next rotation's
+    # cross-correlation is computed only if a next round is needed (a scramble needs none).
+    deferred = []
     for index in range(spec.num_layers):
         bar.set_postfix_str(f"round {iteration}, layer {index + 1}/{spec.num_layers}")
         (raw_a, block_a), (raw, block_b) = a.read(index), b.read(index)
+        rounding = None
         if before is not None:  # the first round: B's blocks as stored are at hand
-            before.add_rounding(raw)
+            rounding = before.add_rounding(raw)
         if sink_a is not None:
             sink_a.block(index, _on_cpu(block_a), raw_a)
         del raw_a
@@ -355,8 +361,10 @@ def _round(
         work = _in_dtype(layer, WORK_DTYPE, a.device)
         moved = apply_layer_transform(turned, spec, work)
         del turned
-        acc.add_distance(block_a, moved)
-        if not last:
+        gap = acc.add_distance(block_a, moved)
+        if rounding is not None and gap <= ROUNDING_FLOOR**2 * rounding:
+            deferred.append(index)
+        elif not last:
             acc.add_cross(block_a, apply_layer_transform(block_b, spec, work))
         del block_b
         if sink is not None:
@@ -365,9 +373,16 @@ def _round(
     outside_part("head")
     distance = acc.distance()
     bar.set_postfix_str(f"round {iteration}: distance {distance:.4f}, {solved} layers solved")
-    cross = None if last else acc.cross.cpu()
     initial = math.nan if before is None else before.distance()
     floor = 0.0 if before is None else before.floor()
+    if last or distance <= ROUNDING_FLOOR * floor:
+        cross = None  # no next round
+    else:
+        for index in deferred:  # read again: a next round needs their share
+            block_a, block_b = a.block(index), b.block(index)
+            work = _in_dtype(layers[index], WORK_DTYPE, a.device)
+            acc.add_cross(block_a, apply_layer_transform(block_b, spec, work))
+        cross = acc.cross.cpu()
     return _Round(layers, changed, distance, initial, cross, solved, floor)
 
 
@@ -386,28 +401,37 @@ class _Accumulator:
         self.scale = scale
         self.keep_tie = keep_tie
 
-    def add_distance(self, part_a, moved) -> None:
+    def add_distance(self, part_a, moved) -> float:
+        """Add ``||moved - part_a||²`` and ``||part_a||²``; their ratio for this part."""
         # Summed in the working dtype (pairwise sums: accurate far past the tolerance), each
         # tensor's total added in float64: no float64 copy of a block.
+        diff = total = 0.0
         for (_, ta), (_, tb) in zip(iter_tensors(part_a), iter_tensors(moved), strict=True):
-            self.diff += float(torch.sub(ta, tb).pow_(2).sum())
-            self.total += float(ta.pow(2).sum())
+            diff += float(torch.sub(ta, tb).pow_(2).sum())
+            total += float(ta.pow(2).sum())
+        self.diff, self.total = self.diff + diff, self.total + total
+        return diff / max(total, 1e-300)
 
-    def add_rounding(self, stored) -> None:
+    def add_rounding(self, stored) -> float:
         """Add a block of B as stored: its squared norm, and the expected squared error of
         rounding each weight to its dtype (a twelfth of its unit in the last place squared),
-        a slice of rows at a time (no float32 copy of a whole matrix)."""
+        both on every :data:`ROUNDING_STRIDE`-th row (their ratio is what counts), a slice of
+        rows at a time (no float32 copy of a whole matrix); their ratio for this block."""
+        rounding = total = 0.0
         for name, t in iter_tensors(stored):
             if not t.is_floating_point() or "norm." in name or t.dim() == 0:
                 continue
             eps = torch.finfo(t.dtype).eps
+            t = t[::ROUNDING_STRIDE]
             for rows in row_slices(t, ROUNDING_ELEMENTS):
                 values = t[rows].float()
                 _, exponent = torch.frexp(values)
                 unit = torch.ldexp(torch.full_like(values, eps / 2), exponent)
                 unit[values == 0] = 0  # zeros stay exact
-                self.rounding += float(unit.pow_(2).sum()) / 12
-                self.blocks += float(values.square().sum())  # values may be the stored tensor
+                rounding += float(unit.pow_(2).sum()) / 12
+                total += float(values.square().sum())  # values may be the stored tensor
+        self.rounding, self.blocks = self.rounding + rounding, self.blocks + total
+        return rounding / max(total, 1e-300)
 
     def floor(self) -> float:
         """The relative distance B's storage rounding accounts for (its blocks')."""
