@@ -48,10 +48,12 @@ from lmc_mergekit.models.adapters import open_model
 
 #: About what a process holds once it has imported the tool, torch and mergekit.
 START = 3 * 2**29
-#: Where ``interrupt`` kills the merge: the text its progress shows once the stage has begun.
+#: Where ``interrupt`` kills the merge: the text its progress shows once the stage has begun
+#: (the first input is written as weight matching's first round streams it: the second
+#: input's writing, after matching, is the stage on its own).
 STAGES = {
     "weight matching": "weight matching",
-    "writing the prepared inputs": "writing model-",
+    "writing the second prepared input": "writing model-1",
     "mergekit's merge": "Executing graph",
 }
 
