@@ -120,10 +120,15 @@ def caption(args, model: Path) -> str:
     )
 
 
+def into(command: list[str], folder: Path) -> list[str]:
+    """The whole command, its output at ``folder``/out and its cache at ``folder``/cache."""
+    return [*command[:2], str(folder / "out"), *command[2:], "--lmc-cache", str(folder / "cache")]
+
+
 def run_once(command: list[str], folder: Path) -> tuple[dict, str | None, dict | None]:
     """``command`` into ``folder``/out with ``folder``/cache: its measures, output hash and
     report (None where it failed)."""
-    full = [*command[:2], str(folder / "out"), *command[2:], "--lmc-cache", str(folder / "cache")]
+    full = into(command, folder)
     result = sampled_run(full, None)
     if result["code"] != 0:
         return result, None, None
@@ -172,7 +177,7 @@ def repeat(args) -> None:
 def killed_at(command: list[str], folder: Path, marker: str, delay: float) -> float:
     """Run ``command`` (output and cache in ``folder``) and kill its process group ``delay``
     seconds after its progress first shows ``marker``; the seconds it ran."""
-    full = [*command[:2], str(folder / "out"), *command[2:], "--lmc-cache", str(folder / "cache")]
+    full = into(command, folder)
     started = time.perf_counter()
     process = subprocess.Popen(
         full, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
@@ -237,8 +242,7 @@ def interrupt(args) -> None:
     cgroup = MemoryCgroup(limit)
     folder = Path(tempfile.mkdtemp(prefix="reliability-", dir=args.work))
     try:
-        full = [*command[:2], str(folder / "out"), *command[2:]]
-        refused = sampled_run([*full, "--lmc-cache", str(folder / "cache")], cgroup)
+        refused = sampled_run(into(command, folder), cgroup)
         wrote = (folder / "out").exists()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
