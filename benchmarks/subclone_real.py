@@ -64,11 +64,14 @@ from pathlib import Path
 import peers
 import torch
 from markdown_blocks import add_markdown_option, publish
-from real_pretrained import SMALLER, cache_root, corpus_file, run_recipe, smollm2_folder
+from real_pretrained import REAL_MODELS, cache_root, corpus_file, run_recipe, smollm2_folder
 
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.loss import load_causal_lm, mean_token_loss
 from lmc_mergekit.subclone.heal import HEAL_INFO, heal
+
+#: Target shapes of SmolLM2's conversions.
+SMALLER = REAL_MODELS["smollm2-135m"].smaller
 
 #: Each arm's ``subclone:`` settings; ``data`` is a corpus file's stem or None (the bundled
 #: corpus). Rescaling is named in each arm, so that an arm means what it did when its table

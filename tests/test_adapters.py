@@ -89,6 +89,24 @@ def test_nan_weights_are_refused(model_dirs, tmp_path, monkeypatch):
         open_model(folder).block(1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_one_non_finite_value_anywhere_is_found(dtype, bad):
+    """A single NaN or infinity at any position of a tensor (first, last, inside a vectorised
+    stretch, in a strided view) makes it not finite; finite tensors, extremes included, are."""
+    from lmc_mergekit.models.checkpoint import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    tensor = torch.randn(37, 129, generator=gen).to(dtype)
+    tensor[0, 0], tensor[-1, -1] = torch.finfo(dtype).max, torch.finfo(dtype).min
+    assert all_finite(tensor) and all_finite(tensor[:0])
+    for flat in (0, 1, 17, 64, 4000, tensor.numel() - 1):
+        spoilt = tensor.clone()
+        spoilt.view(-1)[flat] = bad
+        assert not all_finite(spoilt) and not all_finite(spoilt.T)
+    assert not all_finite(spoilt[:, ::2]) and all_finite(spoilt[:, 1::2])  # the last column
+
+
 def test_remote_code_is_not_run(model_dirs, tmp_path):
     folder = tmp_path / "remote"
     shutil.copytree(model_dirs["llama"], folder)

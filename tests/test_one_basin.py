@@ -15,7 +15,12 @@ from conftest import SMALL_ZOO
 from safetensors.torch import load_file
 
 from lmc_mergekit.data import DataConfig, bundled_text_files
-from lmc_mergekit.matching.starts import CLEAR_MARGIN, clearly_lower, early_decision
+from lmc_mergekit.matching.starts import (
+    CLEAR_MARGIN,
+    UNRELATED_EMBEDDINGS,
+    clearly_lower,
+    early_decision,
+)
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry.group import untying_gains
 
@@ -85,6 +90,48 @@ def test_clear_starts_are_scored_on_the_first_sequences_only(tmp_path):
     assert scorer.read["kept"] == scorer.read["close"] == 16
 
 
+def test_a_match_at_the_rounding_floor_is_kept_without_scoring(tmp_path):
+    """A bf16 scramble matched to within its storage rounding is the reference itself: weight
+    matching is kept without scoring its mix (no pass over text), and a later start (here
+    activation matching) is not run; a match above the floor is scored as before."""
+    from test_selfcheck import bf16_copy
+    from tiny_models import build_model, probe_ids
+
+    from lmc_mergekit.matching.align import AlignConfig, choose_start, match_pair
+    from lmc_mergekit.matching.starts import StartScorer
+    from lmc_mergekit.models.adapters import open_model
+    from lmc_mergekit.models.block_runner import BlockRunner
+    from lmc_mergekit.symmetry import Transform, random_transform
+    from lmc_mergekit.transform_checkpoint import transform_checkpoint
+
+    source = bf16_copy(build_model("llama", tmp_path / "m"), tmp_path / "m-bf16")
+    spec = open_model(source).spec
+    scrambled = tmp_path / "s"
+    transform_checkpoint(source, scrambled, random_transform(spec, seed=1), progress=False)
+    other = open_model(build_model("llama", tmp_path / "o", seed=1))
+    reference = Transform(spec.num_layers, absorb_norms=True)
+    runner = BlockRunner(source, open_model(source).adapter, spec, torch.device("cpu"))
+    for view, floor in ((open_model(scrambled), True), (other, False)):
+        ran = []
+
+        def match(kind, view=view, ran=ran):
+            ran.append(kind)
+            config = AlignConfig(matching=kind)
+            found = match_pair(
+                kind, open_model(source), view, config, False, False, "cpu", None, None
+            )
+            return found[:2]
+
+        sequences = probe_ids(seed=3, shape=(16, 24))
+        scorer = StartScorer(open_model(source), view, reference, runner, runner, sequences)
+        # Past the floor, activation matching would be next: it must not run.
+        kinds = ("weights", "activations") if floor else ("weights",)
+        _, record = choose_start(kinds, match, scorer, None)
+        assert record["matching"] == "weights" and ran == ["weights"]
+        assert ("weights" in scorer.scores) != floor
+        assert ("kept without scoring" in record["decision"]) == floor
+
+
 def run(models: list[Path], tmp_path: Path, name: str, method="lmc_dm", **alignment):
     recipe = {
         "merge_method": method,
@@ -148,6 +195,7 @@ def test_a_tied_post_norm_base_and_its_finetune_merge_as_linear_writes_them(
     # The raw mix at ½ scores no worse than the models: no matching is even run.
     assert record["scores"]["kept"] <= record["scores"]["endpoints"] + CLEAR_MARGIN
     assert "not run" in record["decision"] and record["tried"] == {}
+    assert record["embeddings_apart"] < 0.1 * UNRELATED_EMBEDDINGS
 
 
 @pytest.mark.slow
@@ -178,15 +226,19 @@ def tied_llama_seeds(zoo_root) -> list[Path]:
 
 @pytest.mark.slow
 def test_tied_models_from_different_seeds_are_aligned_and_stay_tied(tied_llama_seeds, tmp_path):
-    """Independently trained models are never one basin: a matching is kept (it lowers their
-    mix clearly); a recipe without ``tied_embeddings`` keeps the tie and the inputs' size."""
+    """Independently trained models are never one basin: their token embeddings lie as far
+    apart as unrelated tables, so the models as they are are not scored (their barrier, which
+    the evaluation measures, is far above the margin) and a matching is kept; a recipe without
+    ``tied_embeddings`` keeps the tie and the inputs' size."""
     out, output = run(tied_llama_seeds, tmp_path, "dm")
     report = json.loads((out / "lmc_report.json").read_text())
     record = report["matching"][0]
     assert not report["one_basin"] and record["matching"] in ("weights", "activations")
-    assert record["scores"]["kept"] - record["scores"][record["matching"]] > CLEAR_MARGIN
+    assert record["embeddings_apart"] >= UNRELATED_EMBEDDINGS and "kept" not in record["scores"]
+    assert "models as they are not scored" in record["decision"]
     assert record["units_moved"] > 10
     pair = report["pairs"][0]
+    assert pair["raw"]["barrier"] > 3 * CLEAR_MARGIN
     assert pair["matched"]["barrier"] < pair["raw"]["barrier"] - CLEAR_MARGIN
     assert config(out)["tie_word_embeddings"] and "lm_head.weight" not in tensors(out)
     sizes = {name: t.shape for name, t in tensors(out).items()}

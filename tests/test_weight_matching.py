@@ -198,6 +198,33 @@ def test_int8_neuron_products_assign_as_the_float_ones(monkeypatch):
     assert float((perms[1] == torch.argsort(shuffle)).float().mean()) > 0.98
 
 
+def test_the_proposal_finds_shuffled_neurons_and_is_a_permutation_when_favourites_clash():
+    """Projected products find a shuffle of A's neurons (each one's favourite is its own
+    partner); where A holds a neuron twice, both copies favour one neuron of B, and the
+    proposal is still a permutation (the assignment of the projected products) that gives
+    each copy one of B's two."""
+    gen = torch.Generator().manual_seed(0)
+    n, d = 1024, 64
+    parts = dict(up=(n, d), down=(d, n), gate=(n, d))
+    a = MLP(**{k: torch.randn(shape, generator=gen) for k, shape in parts.items()})
+    shuffle = torch.randperm(n, generator=gen)
+
+    def shuffled(mlp):
+        return MLP(
+            **{
+                k: getattr(mlp, k)[:, shuffle] if k == "down" else getattr(mlp, k)[shuffle]
+                for k in parts
+            }
+        )
+
+    inverse = torch.argsort(shuffle)
+    assert torch.equal(assignment.proposed_permutation(a, shuffled(a)), inverse)
+    a.up[7], a.gate[7], a.down[:, 7] = a.up[3], a.gate[3], a.down[:, 3]
+    perm = assignment.proposed_permutation(a, shuffled(a))
+    assert torch.equal(perm.sort().values, torch.arange(n))
+    assert {int(perm[3]), int(perm[7])} == {int(inverse[3]), int(inverse[7])}
+
+
 @pytest.mark.parametrize("int8", [True, False])
 def test_matching_undoes_a_scramble_with_either_neuron_products(int8, model_dirs, monkeypatch):
     # The int8 products are chosen by the CPU (VNNI, AMX): both paths run on any CPU here.
@@ -287,6 +314,29 @@ def test_a_bf16_scramble_is_undone_in_one_round_at_its_rounding_floor(model_dirs
     assert result.distances[0] > 0.5 and result.distance < 1e-2
 
 
+def test_a_scramble_s_neurons_are_assigned_from_the_proposal(model_dirs, tmp_path, monkeypatch):
+    """In a scramble's first round every layer's neurons are assigned from the projected
+    proposal (no ``dff × dff`` similarity is computed); where a proposal is wrong, the layer
+    is solved exactly instead, and both give the same transform."""
+    a, b = _bf16_pair(model_dirs["llama_gqa_tied"], tmp_path)
+    exact = []
+    similarity = weight_matching.neuron_similarity
+    monkeypatch.setattr(
+        weight_matching, "neuron_similarity", lambda *x: exact.append(1) or similarity(*x)
+    )
+    proposed = match_weights(open_model(a), open_model(b))
+    assert proposed.iterations == 1 and exact == []
+    # A wrong proposal (the identity): every layer lands far above B's rounding, then is solved.
+    monkeypatch.setattr(
+        weight_matching, "proposed_permutation", lambda mlp, _: torch.arange(len(mlp.up))
+    )
+    solved = match_weights(open_model(a), open_model(b))
+    assert len(exact) == open_model(a).spec.num_layers
+    assert solved.distance == proposed.distance and solved.stopped == proposed.stopped
+    for got, want in zip(proposed.transform.layers, solved.transform.layers, strict=True):
+        assert torch.equal(got.ffn_perm, want.ffn_perm) and torch.equal(got.qk, want.qk)
+
+
 def test_layers_at_the_rounding_floor_still_count_where_a_next_round_runs(
     model_dirs, tmp_path, monkeypatch
 ):
@@ -330,7 +380,9 @@ def test_a_float32_model_is_not_written_by_the_round(model_dirs, tmp_path):
 
 def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs, tmp_path):
     """Where the last round does not improve on the one before, its writer is discarded and
-    nothing is published."""
+    the first round's, which took the result's parts, is the one returned: it writes what
+    moving the model by the result writes."""
+    from safetensors.torch import load_file
     from test_selfcheck import bf16_copy
 
     from lmc_mergekit.transform_checkpoint import CheckedWriter
@@ -347,5 +399,39 @@ def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs,
     # Two models trained apart: a second round gains far less than half and is not kept.
     result = match_weights(open_model(a), other, max_iterations=2, tolerance=0.5, writer=writer)
     assert result.iterations == 2 and "round 1's result kept" in result.stopped
-    assert len(writers) == 1 and result.written is None
-    assert not (tmp_path / "fused").exists() and not list(tmp_path.glob(".fused*"))
+    assert len(writers) == 2 and result.written is writers[0]
+    spec, _ = result.written.publish()
+    assert len(list(tmp_path.glob(".fused*"))) == 0 and spec.num_layers == other.spec.num_layers
+    moved = transform_checkpoint(
+        other.folder, tmp_path / "moved", result.transform, progress=False
+    )[0]
+    assert not moved.shape_mismatch(spec)
+    fused, plain = (
+        load_file(next((tmp_path / name).glob("*.safetensors"))) for name in ("fused", "moved")
+    )
+    assert fused.keys() == plain.keys()
+    assert all(torch.equal(fused[name], plain[name]) for name in fused)
+
+
+def test_a_first_round_writer_is_discarded_when_a_later_round_is_the_result(model_dirs, tmp_path):
+    """Where a second round improves on the first, the first round's writer is discarded and
+    nothing it staged is left."""
+    from test_selfcheck import bf16_copy
+
+    from lmc_mergekit.transform_checkpoint import CheckedWriter
+
+    a = bf16_copy(model_dirs["llama_gqa_tied"], tmp_path / "a-bf16")
+    b = build_model("llama_gqa_tied", tmp_path / "b", seed=1)
+    other = open_model(bf16_copy(b, tmp_path / "b-bf16"))
+    writers = []
+
+    def writer(spec):
+        writers.append(CheckedWriter(other, spec, tmp_path / "fused", progress=False))
+        return writers[-1]
+
+    result = match_weights(open_model(a), other, max_iterations=3, tolerance=0.0, writer=writer)
+    assert result.iterations > 1 and result.distance < result.distances[1]
+    assert result.written is not writers[0]
+    assert not (tmp_path / "fused").exists()
+    staged = list(tmp_path.glob(".fused*"))
+    assert len(staged) == (result.written is not None)

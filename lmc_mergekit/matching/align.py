@@ -25,8 +25,19 @@ import torch
 from lmc_mergekit.evaluation.selfcheck import PROBE_SHAPE
 from lmc_mergekit.matching.activation_matching import match_activations
 from lmc_mergekit.matching.learned_matching import LearningConfig, LearningResult, learn_symmetries
-from lmc_mergekit.matching.starts import CLEAR_MARGIN, SCORE_SEQUENCES, StartScorer
-from lmc_mergekit.matching.weight_matching import ROW_CHUNK, PartsWriter, match_weights
+from lmc_mergekit.matching.starts import (
+    CLEAR_MARGIN,
+    SCORE_SEQUENCES,
+    UNRELATED_EMBEDDINGS,
+    StartScorer,
+    embeddings_apart,
+)
+from lmc_mergekit.matching.weight_matching import (
+    ROUNDING_FLOOR,
+    ROW_CHUNK,
+    PartsWriter,
+    match_weights,
+)
 from lmc_mergekit.models.adapters.base import CheckpointView
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import InMemoryView, ModelSpec, ModelView, materialize
@@ -284,8 +295,18 @@ def match_all(
         if scored and config.score and calibration is not None and raw_runner is not None:
             scores = score_sequences(calibration, config.activations_read)
             scorer = StartScorer(views[0], view, reference, raw_runner, runner, scores)
-            kept = reference if config.one_basin_check else None
+            apart = embeddings_apart(views[0], view) if config.one_basin_check else None
+            unrelated = apart is not None and apart >= UNRELATED_EMBEDDINGS
+            kept = reference if config.one_basin_check and not unrelated else None
             transform, record = choose_start(kinds, run, scorer, kept)
+            if apart is not None and math.isfinite(apart):
+                record["embeddings_apart"] = round(apart, 6)
+            if unrelated:
+                note = (
+                    f"the models as they are not scored: their token embeddings lie {apart:.3f} "
+                    f"apart (relative), at least {UNRELATED_EMBEDDINGS:g}, as unrelated tables do"
+                )
+                record["decision"] = "; ".join(filter(None, (note, record["decision"])))
         else:  # no text to score on: a matching that moved no unit keeps the models as they are
             transform, record = run(kinds[0])
             if config.one_basin_check and not transform.units_moved():
@@ -343,8 +364,17 @@ def choose_start(
             )
             break
         found, found_record = run(kind)
-        found_record["mix_loss"] = scorer.score(kind, found)
         tried[kind] = found_record
+        if found_record.get("at_rounding_floor"):
+            # The other model is the reference moved and rounded: their mix is the reference
+            # itself to that rounding, and no start can do better. Nothing to score.
+            notes.append(
+                f"{kind.removesuffix('s')} matching kept without scoring: it brought the model "
+                f"within {ROUNDING_FLOOR:g} × its storage rounding of the reference"
+            )
+            current, transform, record = kind, found, found_record
+            break
+        found_record["mix_loss"] = scorer.score(kind, found)
         if transform is None:  # the models as they are do not compete: the first is kept
             current, transform, record = kind, found, found_record
             continue
@@ -358,7 +388,8 @@ def choose_start(
         if better:
             current, transform, record = kind, found, found_record
     for kind, found_record in tried.items():  # a score may have read more sequences since
-        found_record["mix_loss"] = scorer.scores[kind]
+        if kind in scorer.scores:
+            found_record["mix_loss"] = scorer.scores[kind]
     record = {
         **record,
         "matching": current,
@@ -413,6 +444,8 @@ def match_pair(
     }
     if result.written is not None:
         record["written_by_last_round"] = True
+    if result.at_rounding_floor:
+        record["at_rounding_floor"] = True
     return result.transform, record, result.written, result.written_reference
 
 

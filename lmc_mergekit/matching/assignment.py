@@ -13,6 +13,9 @@ from lmc_mergekit.runtime.precision import native_16bit, native_int8
 #: Columns per row, and rows per column, the assignment considers (besides the row's current
 #: partner).
 CANDIDATES = 32
+#: Dimensions of the random projection a neuron assignment is proposed from (see
+#: :func:`proposed_permutation`).
+SKETCH_DIMS = 128
 
 
 def best_permutation(
@@ -126,6 +129,37 @@ def neuron_similarity(a: MLP, b: MLP) -> torch.Tensor:
     for part_a, part_b in zip(parts_a[1:], parts_b[1:], strict=True):
         sim.addmm_(part_a, part_b.T)
     return sim
+
+
+def proposed_permutation(a: MLP, b: MLP) -> torch.Tensor:
+    """A permutation of B's hidden neurons onto A's, proposed from their weights projected on
+    :data:`SKETCH_DIMS` random directions (seeded: the same every run): each neuron's most
+    similar one where they differ, else the best assignment (:func:`best_permutation`) of the
+    projections' products; ``dff²·k`` operations where
+    :func:`neuron_similarity` spends ``dff²·3d`` (a fortieth at d=1536). Only a proposal:
+    projected products estimate the true ones to about ``|a|·|b|/√k``, enough to find a
+    partner whose weights are the neuron's own (a model and its scramble), not to rank weakly
+    similar ones; weight matching keeps it only where the moved layer lands within its storage
+    rounding of A."""
+    parts_a, parts_b = _neuron_parts(a), _neuron_parts(b)
+    width = sum(part.shape[1] for part in parts_a)
+    generator = torch.Generator().manual_seed(0)
+    directions = torch.randn(width, SKETCH_DIMS, generator=generator)
+    directions = directions.to(parts_a[0].device, parts_a[0].dtype)
+
+    def projected(parts: list[torch.Tensor]) -> torch.Tensor:
+        out, col = None, 0
+        for part in parts:
+            term = part @ directions[col : col + part.shape[1]]
+            out, col = term if out is None else out.add_(term), col + part.shape[1]
+        return out.float()
+
+    similarity = (projected(parts_a) @ projected(parts_b).T).cpu()
+    favourite = similarity.argmax(dim=1)  # where every neuron's favourite is its own: no solve
+    if len(favourite.unique()) == len(favourite):
+        return favourite
+    perm, _ = best_permutation(similarity)
+    return perm
 
 
 def _neuron_parts(mlp: MLP) -> list[torch.Tensor]:

@@ -16,6 +16,12 @@ by :data:`EARLY_SIGMAS` standard errors on them): a scramble, or a base and its 
 decided on four sequences, a close call on all. The margin and its evidence (fine-tunes of
 every zoo family, pairs from different seeds) are in docs/how-it-works.md, measured by
 ``benchmarks/one_basin.py``.
+
+The models as they are are not scored where their token embeddings lie at least
+:data:`UNRELATED_EMBEDDINGS` apart (relative): tables that far apart share no basin (two seeds,
+or a scramble, lie about √2 apart; a base and its fine-tune a few hundredths), and scoring them
+costs three passes over text (their mix and each model) that could only confirm it: about a
+minute at 1.5B parameters on two cores.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 
 from lmc_mergekit.evaluation.blockwise import MixedView, sequence_losses
 from lmc_mergekit.models.block_runner import BlockRunner
-from lmc_mergekit.models.view import ModelView
+from lmc_mergekit.models.view import ModelView, row_chunks
 from lmc_mergekit.symmetry import Transform, apply_transform
 
 #: Calibration sequences (after those activation matching reads) that score the starts.
@@ -40,6 +46,29 @@ SCORE_SEQUENCES = 16
 CLEAR_MARGIN = 0.1
 #: Starts in the order they are tried.
 ORDER = ("kept", "weights", "activations")
+#: Relative distance ``||E_B - E_A|| / ||E_A||`` of the token embeddings from which the models as
+#: they are are not scored as a start: as far apart as tables of equal norms at a cosine of ½
+#: (unrelated ones sit near √2: 1.406 for Qwen2.5-Coder-1.5B and its scramble; a zoo base and
+#: its fine-tune below 0.1, tests/test_one_basin.py).
+UNRELATED_EMBEDDINGS = 1.0
+#: Vocabulary rows read at a time when the embeddings are compared.
+_ROWS = 16384
+
+
+def embeddings_apart(reference: ModelView, other: ModelView) -> float:
+    """``||E_B - E_A|| / ||E_A||`` of the two models' token embeddings as stored, a slice of
+    rows at a time (infinite where their shapes differ)."""
+    diff = total = 0.0
+    chunks = (row_chunks(view, "embeddings", _ROWS) for view in (reference, other))
+    for part_a, part_b in zip(*chunks, strict=False):
+        if part_a.tokens.shape != part_b.tokens.shape:
+            return math.inf
+        ta, tb = part_a.tokens.float(), part_b.tokens.float()
+        diff += float(torch.sub(ta, tb).pow_(2).sum())
+        total += float(ta.pow(2).sum())
+    if reference.spec.vocab_size != other.spec.vocab_size:
+        return math.inf
+    return math.sqrt(diff / max(total, 1e-300))
 
 
 #: Calibration sequences every start is first scored on; the rest of :data:`SCORE_SEQUENCES`

@@ -23,10 +23,12 @@ neurons in bf16 where the device multiplies it natively
 with VNNI or AMX (:func:`~lmc_mergekit.matching.assignment.neuron_similarity`), the small
 fits (Procrustes, head maps) in float64 on the CPU, and the linear assignments in scipy. A
 round known to be the last (the ``max_iterations``-th) fits no next rotation. Given writers,
-the first round hands the reference's parts (norms absorbed, as it is written) and the last
-round the moved parts of ``other`` to them, so that checkpoints stored in 16 bits are written
-and checked without moving any block again
-(:class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`).
+the first round hands the reference's parts (norms absorbed, as it is written) and the first
+and the last round the moved parts of ``other`` to them (the first's writer is kept where it is
+the result), so that checkpoints stored in 16 bits are written and checked without moving any
+block again (:class:`~lmc_mergekit.transform_checkpoint.CheckedWriter`). In the first round
+each layer's neurons are first assigned from a random projection of their weights, kept where
+that lands the layer within B's storage rounding of A (a scramble), solved exactly elsewhere.
 The residual map stays in the group the model admits (:mod:`lmc_mergekit.symmetry.group`):
 rotations fixing the all-ones vector for LayerNorm models, signed permutations (found by
 linear assignment) for post-norm ones; QK maps are not fitted where queries and keys are
@@ -58,6 +60,7 @@ from lmc_mergekit.matching.assignment import (
     head_similarity,
     match_heads,
     neuron_similarity,
+    proposed_permutation,
     similarity_dtype,
 )
 from lmc_mergekit.matching.head_maps import fit_free_maps, fit_normed_qk_maps, fit_rope_maps
@@ -139,10 +142,14 @@ class MatchResult:
     solved: tuple[int, ...] = ()
     #: Why the descent stopped, in words.
     stopped: str = ""
-    #: The writer that took the returned transform's moved parts of B (the last round's), if any.
+    #: The writer that took the returned transform's moved parts of B (the first or the last
+    #: round's), if any.
     written: PartsWriter | None = None
     #: The writer that took A's parts (norms absorbed: every round's are alike), if any.
     written_reference: PartsWriter | None = None
+    #: Whether the result lies within :data:`ROUNDING_FLOOR` × B's storage rounding of A: B is
+    #: A moved by this symmetry and rounded.
+    at_rounding_floor: bool = False
 
 
 def match_weights(
@@ -189,17 +196,22 @@ def match_weights(
     iterations, stopped = 0, f"max_iterations ({max_iterations}) rounds ran"
     moved_by = math.inf
     floor = 0.0  # B's storage rounding, measured in the first round
-    sink = None
+    at_floor = False
+    sinks: list[PartsWriter] = []  # B's writers: each discarded unless its round is the result
     made = reference_writer is not None and _written_as_computed(a)
     reference_sink = reference_writer(reference.spec) if made else None
     try:
         while iterations < max_iterations:
             iterations += 1
             last = iterations == max_iterations
-            made = last and writer is not None and _written_as_computed(b)
+            # The first round is written too, as it goes: it is the last where it reaches the
+            # rounding floor (a scramble, a copy), and B is then never moved twice.
+            made = (last or iterations == 1) and writer is not None and _written_as_computed(b)
             # Norms normalise away the scale g exactly when their eps scales by g².
             moved_spec = replace(other.spec, norm_eps=other.spec.norm_eps * scale**2)
             sink = writer(moved_spec) if made else None
+            if sink is not None:
+                sinks.append(sink)
             round_ = _round(
                 a,
                 b,
@@ -238,6 +250,7 @@ def match_weights(
                 break
             floor = round_.floor or floor
             if distances[-1] <= ROUNDING_FLOOR * floor:
+                at_floor = True
                 stopped = (
                     f"round {iterations} brought the distance to {distances[-1]:.2e}, within "
                     f"{ROUNDING_FLOOR:g} × the rounding of the stored weights "
@@ -255,14 +268,15 @@ def match_weights(
                 break
             rotation = new_rotation
     except BaseException:
-        for made in (sink, reference_sink):
+        for made in [*sinks, reference_sink]:
             if made is not None:
                 made.discard()
         raise
     finally:
         bar.close()
-    if sink is not None and best[2] is not sink:
-        sink.discard()
+    for made in sinks:
+        if made is not best[2]:
+            made.discard()
     return MatchResult(
         transform=best[1],
         distance=best[0],
@@ -273,6 +287,7 @@ def match_weights(
         stopped=stopped,
         written=best[2],
         written_reference=reference_sink,
+        at_rounding_floor=at_floor,
     )
 
 
@@ -354,14 +369,22 @@ def _round(
             before.add_distance(block_a, block_b)
         turned = transform_block(block_b, spec, moving, index)
         keep = previous[index] is not None and steady[index] and moved_by < STEADY_ROTATION
-        layer = match_layer(block_a, turned, spec, previous[index], keep)
+        # In the first round a proposed neuron assignment is tried first, and kept only where
+        # it moves the layer within its storage rounding of A: then it is the symmetry (no
+        # assignment can do better than rounding), found at a fortieth of the products.
+        for propose in (True, False) if rounding is not None and not keep else (False,):
+            layer = match_layer(block_a, turned, spec, previous[index], keep, propose)
+            work = _in_dtype(layer, WORK_DTYPE, a.device)
+            moved = apply_layer_transform(turned, spec, work)
+            squared = _squared_distance(block_a, moved)
+            gap = squared[0] / max(squared[1], 1e-300)
+            if not propose or gap <= ROUNDING_FLOOR**2 * rounding:
+                break
+        acc.add(*squared)
         solved += not keep
         changed.append(previous[index] is None or not _same_assignment(layer, previous[index]))
         layers.append(layer)
-        work = _in_dtype(layer, WORK_DTYPE, a.device)
-        moved = apply_layer_transform(turned, spec, work)
         del turned
-        gap = acc.add_distance(block_a, moved)
         if rounding is not None and gap <= ROUNDING_FLOOR**2 * rounding:
             deferred.append(index)
         elif not last:
@@ -403,14 +426,13 @@ class _Accumulator:
 
     def add_distance(self, part_a, moved) -> float:
         """Add ``||moved - part_a||²`` and ``||part_a||²``; their ratio for this part."""
-        # Summed in the working dtype (pairwise sums: accurate far past the tolerance), each
-        # tensor's total added in float64: no float64 copy of a block.
-        diff = total = 0.0
-        for (_, ta), (_, tb) in zip(iter_tensors(part_a), iter_tensors(moved), strict=True):
-            diff += float(torch.sub(ta, tb).pow_(2).sum())
-            total += float(ta.pow(2).sum())
-        self.diff, self.total = self.diff + diff, self.total + total
+        diff, total = _squared_distance(part_a, moved)
+        self.add(diff, total)
         return diff / max(total, 1e-300)
+
+    def add(self, diff: float, total: float) -> None:
+        """Add a part's ``||moved - part_a||²`` and ``||part_a||²``."""
+        self.diff, self.total = self.diff + diff, self.total + total
 
     def add_rounding(self, stored) -> float:
         """Add a block of B as stored: its squared norm, and the expected squared error of
@@ -446,6 +468,17 @@ class _Accumulator:
 
     def distance(self) -> float:
         return (self.diff / max(self.total, 1e-300)) ** 0.5
+
+
+def _squared_distance(part_a, moved) -> tuple[float, float]:
+    """``||moved - part_a||²`` and ``||part_a||²``."""
+    # Summed in the working dtype (pairwise sums: accurate far past the tolerance), each
+    # tensor's total added in float64: no float64 copy of a block.
+    diff = total = 0.0
+    for (_, ta), (_, tb) in zip(iter_tensors(part_a), iter_tensors(moved), strict=True):
+        diff += float(torch.sub(ta, tb).pow_(2).sum())
+        total += float(ta.pow(2).sum())
+    return diff, total
 
 
 def _rows(part, tied_head: bool = False) -> Iterator[tuple[torch.Tensor, bool]]:
@@ -520,10 +553,13 @@ def match_layer(
     spec: ModelSpec,
     previous: LayerTransform | None = None,
     keep: bool = False,
+    propose: bool = False,
 ) -> LayerTransform:
     """Head and neuron permutations and per-head maps moving block ``b`` onto block ``a``
     (both already in one residual basis), starting from the ``previous`` round's assignment;
-    with ``keep``, its permutations are kept and only the maps fitted. The similarities that
+    with ``keep``, its permutations are kept and only the maps fitted; with ``propose``, the
+    neurons are assigned from a random projection of their weights
+    (:func:`~lmc_mergekit.matching.assignment.proposed_permutation`). The similarities that
     rank heads and neurons run in :func:`~lmc_mergekit.matching.assignment.similarity_dtype` on
     the blocks' device, the map fits in float64 on the CPU. Maps and permutations come back in
     float64 on the CPU."""
@@ -538,7 +574,11 @@ def match_layer(
         heads = head_similarity(low(a.attn), low(b.attn), spec)
         head_perm = match_heads(_cpu64(heads), spec.num_kv_heads)
         current = None if previous is None else previous.ffn_perm
-        ffn_perm, _ = best_permutation(neuron_similarity(low(a.mlp), low(b.mlp)).cpu(), current)
+        if propose:
+            ffn_perm = proposed_permutation(a.mlp, b.mlp)
+        else:
+            similarity = neuron_similarity(low(a.mlp), low(b.mlp)).cpu()
+            ffn_perm, _ = best_permutation(similarity, current)
     attn = permute_heads(b.attn, spec, head_perm.to(b.attn.q.device))
     qk, ov = _fit_maps(a.attn, attn, spec)
     # The fitted A act on rows (X ← A·X); the transform stores M with W_q ← Mᵀ·W_q, i.e. Aᵀ.
