@@ -46,7 +46,8 @@ tokens). Losses are mean next-token nats.
 - ``subclone``: ``subclone_compensate`` to two smaller shapes of the family, compensated and
   plain selection (``compensate: false, rescale: none``); zero-shot and after ``--heal-steps``
   steps of ``lmc-mergekit heal`` on the bundled corpus (batch 8, lr 3e-4; its default since
-  b723c7a: distilled from SmolLM2, the donor both conversions name).
+  b723c7a: distilled from SmolLM2, the donor both conversions name); ``--heal-steps 0``: zero-shot
+  only.
 - ``ls_merge``: a self-merge of 4 posterior samples (``samples: 4``, no noise floor): the
   merged model's loss next to the model's.
 """
@@ -487,14 +488,23 @@ def row_subclone(source: Path, args) -> list[dict]:
         result, out = run_recipe(f"subclone-{name}", recipe, args)
         plain_recipe = {**recipe, "subclone": {**section, "compensate": False, "rescale": "none"}}
         _, plain = run_recipe(f"subclone-{name}-plain", plain_recipe, args)
-        losses = {arm: healed(folder, args) for arm, folder in (("comp", out), ("plain", plain))}
         donor = result["report"]["donors"][0]["test_loss"]["donor"]
-        result["figures"] = (
-            f"{name} ({parameter_count(out) / 1e6:.0f}M): compensated {losses['comp'][0]:.3f} / "
-            f"{losses['comp'][1]:.3f}, plain selection {losses['plain'][0]:.3f} / "
-            f"{losses['plain'][1]:.3f} (zero-shot / after {args.heal_steps} steps"
-            + (f"; donor {donor:.3f})" if donor else ")")
-        )
+        arms = (("comp", out), ("plain", plain))
+        if args.heal_steps:
+            scores = {arm: healed(folder, args) for arm, folder in arms}
+            result["figures"] = (
+                f"{name} ({parameter_count(out) / 1e6:.0f}M): compensated "
+                f"{scores['comp'][0]:.3f} / {scores['comp'][1]:.3f}, plain selection "
+                f"{scores['plain'][0]:.3f} / {scores['plain'][1]:.3f} (zero-shot / after "
+                f"{args.heal_steps} steps"
+            )
+        else:  # zero-shot only, on the code too for a code model
+            scores = {arm: losses(folder, args) for arm, folder in arms}
+            result["figures"] = (
+                f"{name} ({parameter_count(out) / 1e6:.0f}M): compensated {scores['comp']}, "
+                f"plain selection {scores['plain']} (zero-shot, no healing"
+            )
+        result["figures"] += f"; donor {donor:.3f})" if donor else ")"
         result["stages"] = stages(result["report"])
         result["name"] = f"subclone → {name}"
         rows.append(result)
