@@ -49,13 +49,13 @@ from lmc_mergekit.models.adapters import open_model
 #: About what a process holds once it has imported the tool, torch and mergekit and read the
 #: recipe: 0.56–0.64 GiB anonymous at the memory check, on the 1B pair and on the real 1.5B one.
 START = 3 * 2**28
-#: Where ``interrupt`` kills the merge: the text its progress shows once the stage has begun
-#: (the first input is written as weight matching's first round streams it: the second
-#: input's writing, after matching, is the stage on its own).
+#: Where ``interrupt`` kills the merge: the text its progress shows once the stage has begun,
+#: and the seconds after it (``--delay`` at most): weight matching's first round writes both
+#: prepared inputs as it streams, and mergekit merges the 1B pair in about 14 s.
 STAGES = {
-    "weight matching": "weight matching",
-    "writing the second prepared input": "writing model-1",
-    "mergekit's merge": "Executing graph",
+    "weight matching": ("weight matching", 10.0),
+    "writing the second prepared input": ("writing model-1", 10.0),
+    "mergekit's merge": ("Executing graph", 3.0),
 }
 
 BIN = Path(sys.executable).parent
@@ -192,6 +192,8 @@ def killed_at(command: list[str], folder: Path, marker: str, delay: float) -> fl
     deadline = time.perf_counter() + delay
     while time.perf_counter() < deadline and process.poll() is None:
         process.stderr.read1(65536)
+    if process.poll() is not None:  # a kill that came too late would prove nothing
+        raise SystemExit(f"the run ended before it was killed, {delay} s after {marker!r}")
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     return time.perf_counter() - started
@@ -224,10 +226,10 @@ def interrupt(args) -> None:
         _, reference, _ = run_once(command, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    for stage, marker in STAGES.items():
+    for stage, (marker, delay) in STAGES.items():
         folder = Path(tempfile.mkdtemp(prefix="reliability-", dir=args.work))
         try:
-            ran = killed_at(command, folder, marker, args.delay)
+            ran = killed_at(command, folder, marker, min(delay, args.delay))
             left = left_behind(folder)
             result, digest, _ = run_once(command, folder)
         finally:
