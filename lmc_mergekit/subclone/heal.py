@@ -30,7 +30,7 @@ from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.checkpoint import checkpoint_bytes, model_dir, read_config, stored_dtype
 from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.runtime.keys import content_key, fingerprint
-from lmc_mergekit.runtime.memory import require_memory
+from lmc_mergekit.runtime.memory import GIB, available_memory, require_memory
 from lmc_mergekit.runtime.precision import SIXTEEN_BIT, native_16bit
 from lmc_mergekit.runtime.publish import check_output_free
 from lmc_mergekit.subclone.distill import DEFAULT_TEMPERATURE, DEFAULT_WEIGHT, Distillation
@@ -194,11 +194,21 @@ def heal(
     if device.type == "cpu":  # before any model loads
         stored = 0 if teacher is None else checkpoint_bytes(model_dir(teacher))
         tokens = batch_size * data.seq_len
-        need = heal_memory(open_model(folder).spec, stored, tokens, gradient_checkpointing)
-        fits = "a smaller --batch-size" + ("" if teacher is None else ", --no-teacher")
-        if not gradient_checkpointing:
-            fits = "--gradient-checkpointing, " + fits
-        require_memory(need, "healing", f"try {fits}")
+        spec = open_model(folder).spec
+        need = heal_memory(spec, stored, tokens, gradient_checkpointing)
+        # What no option lowers: float32 AdamW's state of the student.
+        if 16 * spec.parameters > available_memory():
+            fits = (
+                f"its float32 training state alone (weights, gradients, two moments) is "
+                f"{16 * spec.parameters / GIB:.1f} GiB: heal a smaller model, or on a machine "
+                "with more memory"
+            )
+        else:
+            fits = "a smaller --batch-size" + ("" if teacher is None else ", --no-teacher")
+            if not gradient_checkpointing:
+                fits = "--gradient-checkpointing, " + fits
+            fits = f"try {fits}"
+        require_memory(need, "healing", fits)
     distillation = None
     if teacher is not None:  # refused before the student loads and any step runs
         teacher = model_dir(teacher)
