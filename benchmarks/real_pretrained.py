@@ -632,7 +632,7 @@ def main() -> None:
             print(
                 f"{row.get('name', name)}: {row['figures']} ({time.perf_counter() - started:.0f} s)"
             )
-    block = "table" if args.model == "smollm2-135m" else f"table-{args.model}"
+    block = "table" if args.model == "smollm2-135m" else f"table-{args.model.replace('.', '')}"
     publish(args, block, table(results, fp32, args))
 
 
