@@ -118,16 +118,17 @@ REAL_MODELS = {
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         caption="Qwen2.5-Coder-1.5B-Instruct (bf16, untied, vocabulary 151,936",
         smaller={
-            # Width and depth at once; 6 heads of 128 on 1 KV head (the donor groups 6). 32
-            # calibration sequences: 256 (the default) would take the donor's forward alone
-            # past 20 minutes on two cores.
+            # Width and depth at once; 6 heads of 128 on 1 KV head (the donor groups 6). 48
+            # calibration sequences (6,144 tokens: compensation fits 4,097 features a
+            # projection and refuses fewer tokens); 256, the default, would take the donor's
+            # forward alone past 20 minutes on two cores.
             "d768-24L": {
                 "hidden_size": 768,
                 "num_hidden_layers": 24,
                 "num_attention_heads": 6,
                 "num_key_value_heads": 1,
                 "intermediate_size": 4096,
-                "calibration_sequences": 32,
+                "calibration_sequences": 48,
             },
         },
     ),
