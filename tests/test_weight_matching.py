@@ -378,11 +378,9 @@ def test_a_float32_model_is_not_written_by_the_round(model_dirs, tmp_path):
     assert made == [] and result.written is None
 
 
-def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs, tmp_path):
-    """Where the last round does not improve on the one before, its writer is discarded and
-    the first round's, which took the result's parts, is the one returned: it writes what
-    moving the model by the result writes."""
-    from safetensors.torch import load_file
+def _apart_with_writers(model_dirs, tmp_path):
+    """Two bf16 models trained apart, and a writer maker for the second (into ``fused``) that
+    keeps every writer it made."""
     from test_selfcheck import bf16_copy
 
     from lmc_mergekit.transform_checkpoint import CheckedWriter
@@ -395,6 +393,17 @@ def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs,
     def writer(spec):
         writers.append(CheckedWriter(other, spec, tmp_path / "fused", progress=False))
         return writers[-1]
+
+    return a, other, writers, writer
+
+
+def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs, tmp_path):
+    """Where the last round does not improve on the one before, its writer is discarded and
+    the first round's, which took the result's parts, is the one returned: it writes what
+    moving the model by the result writes."""
+    from safetensors.torch import load_file
+
+    a, other, writers, writer = _apart_with_writers(model_dirs, tmp_path)
 
     # Two models trained apart: a second round gains far less than half and is not kept.
     result = match_weights(open_model(a), other, max_iterations=2, tolerance=0.5, writer=writer)
@@ -416,18 +425,7 @@ def test_a_writer_is_discarded_when_the_last_round_is_not_the_result(model_dirs,
 def test_a_first_round_writer_is_discarded_when_a_later_round_is_the_result(model_dirs, tmp_path):
     """Where a second round improves on the first, the first round's writer is discarded and
     nothing it staged is left."""
-    from test_selfcheck import bf16_copy
-
-    from lmc_mergekit.transform_checkpoint import CheckedWriter
-
-    a = bf16_copy(model_dirs["llama_gqa_tied"], tmp_path / "a-bf16")
-    b = build_model("llama_gqa_tied", tmp_path / "b", seed=1)
-    other = open_model(bf16_copy(b, tmp_path / "b-bf16"))
-    writers = []
-
-    def writer(spec):
-        writers.append(CheckedWriter(other, spec, tmp_path / "fused", progress=False))
-        return writers[-1]
+    a, other, writers, writer = _apart_with_writers(model_dirs, tmp_path)
 
     result = match_weights(open_model(a), other, max_iterations=3, tolerance=0.0, writer=writer)
     assert result.iterations > 1 and result.distance < result.distances[1]
