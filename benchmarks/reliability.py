@@ -41,10 +41,14 @@ from pathlib import Path
 
 import yaml
 from markdown_blocks import add_markdown_option, publish
-from scale import PAIR_SHAPES, MemoryCgroup, build_streamed, gib, sampled_run
-
-from lmc_mergekit.matching.align import AlignConfig
-from lmc_mergekit.models.adapters import open_model
+from scale import (
+    PAIR_SHAPES,
+    MemoryCgroup,
+    build_streamed,
+    gib,
+    matching_estimate,
+    sampled_run,
+)
 
 #: About what a process holds once it has imported the tool, torch and mergekit and read the
 #: recipe: 0.56–0.64 GiB anonymous at the memory check, on the 1B pair and on the real 1.5B one.
@@ -110,7 +114,7 @@ def prepared(args) -> tuple[Path, list[str]]:
 
 def caption(args, model: Path) -> str:
     shape = PAIR_SHAPES[args.shape]
-    estimate = AlignConfig().matching_memory(open_model(model).spec, 2, 128)
+    estimate = matching_estimate(model)
     return (
         f"Random bf16 Llama of the {args.shape} shape (d={shape['hidden_size']}, "
         f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads / "
@@ -240,7 +244,7 @@ def interrupt(args) -> None:
             f"| {stage} | {ran:.0f} | {left} | {merged} | {result['seconds']:.0f} | {same} |"
         )
         print(lines[-1], flush=True)
-    estimate = AlignConfig().matching_memory(open_model(model).spec, 2, 128)
+    estimate = matching_estimate(model)
     limit = START + estimate // 2
     cgroup = MemoryCgroup(limit)
     folder = Path(tempfile.mkdtemp(prefix="reliability-", dir=args.work))

@@ -388,6 +388,15 @@ def stream_build_worker(shape: str, work: Path) -> None:
                 (staging / name).write_bytes((tokenizer / name).read_bytes())
 
 
+def matching_estimate(model: Path) -> int:
+    """Weight matching's estimated peak for a pair of ``model``'s shape (bf16, the default
+    128-token probe), beyond the process's start: the figure the pass checks before it starts."""
+    from lmc_mergekit.matching.align import AlignConfig
+    from lmc_mergekit.models.adapters import open_model
+
+    return AlignConfig().matching_memory(open_model(model).spec, 2, 128)
+
+
 def pair_recipe(kind: str, a: Path, b: Path, args) -> dict:
     """mergekit's ``linear`` or ``lmc_dm`` (weights, no learning, no evaluation) of the pair."""
     both = [{"model": str(m), "parameters": {"weight": 0.5}} for m in (a, b)]
@@ -514,7 +523,9 @@ def measure_pair(args) -> list[str]:
         f"Pair of random bf16 checkpoints in the {args.shape} Llama shape ({gib(size)} each on "
         f"disk, the pair {gib(2 * size)}), {where}; machine memory "
         f"{gib(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))}"
-        + ("; both on the GPU (`--cuda`)." if args.cuda else "."),
+        + ("; both on the GPU (`--cuda`)." if args.cuda else ".")
+        + f" `lmc_dm`'s matching estimated its peak at {gib(matching_estimate(a))} beyond the "
+        "process's start (about 0.75 GiB) before it started.",
         "",
         "| method | result | seconds | peak anonymous | peak mapped file pages | peak RSS "
         "(wait4) | cgroup peak | " + ("GPU peak (nvidia-smi) | " if args.cuda else "") + "stages |",
