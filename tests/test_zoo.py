@@ -237,3 +237,24 @@ def test_models_trained_on_different_texts_share_a_tokenizer_trained_on_both(tmp
     assert all("-tok" in p.name and "-tok" not in q.name for p, q in zip(shared, own, strict=True))
     assert read_zoo_info(shared[1])["tokenizer"]["source"] == str(texts)
     assert read_zoo_info(shared[1])["data"]["source"] == str(texts / "austen")
+
+
+def test_a_finetune_of_the_last_layers_leaves_the_rest_as_they_were(text, tmp_path):
+    """``last_layers``: the last decoder layer trains, every other weight (embeddings,
+    earlier layers, final norm, head) is the base's bit for bit; a count the model does not
+    have is refused before any step."""
+    from lmc_mergekit.zoo.finetune import finetune
+
+    base = build_tiny(tmp_path, text, arch="llama", hidden=64)
+    data = DataConfig(source=str(text), seq_len=32)
+    tuned = finetune(
+        base, tmp_path / "tuned", data, steps=3, lr=1e-2, progress=False, last_layers=1
+    )
+    before, after = (load_file(f / "model.safetensors") for f in (base, tuned))
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(name.startswith("model.layers.1.") for name in changed), changed
+    record = json.loads((tuned / "finetune.json").read_text())
+    assert record["last_layers"] == 1
+    with pytest.raises(LmcError, match="last 3 decoder layers"):
+        finetune(base, tmp_path / "bad", data, steps=1, progress=False, last_layers=3)
+    assert not (tmp_path / "bad").exists()

@@ -29,11 +29,14 @@ def finetune(
     lr: float = 1e-4,
     seed: int = 0,
     progress: bool = True,
+    last_layers: int | None = None,
 ) -> Path:
     """``out``: ``base`` trained on for ``steps`` AdamW steps (float32, warm-up over a tenth,
     cosine decay) on the train split of ``data`` read by ``base``'s tokenizer, stored in
     ``base``'s dtype with its tokenizer and tie; ``finetune.json`` holds the run's record.
-    Reused when ``out`` already holds a finished one."""
+    Reused when ``out`` already holds a finished one. With ``last_layers`` only the last that
+    many decoder layers train (the rest frozen): a fine-tune of a model whose whole float32
+    training state would not fit in memory."""
     base, out = Path(base), Path(out)
     if (out / FINETUNE_INFO).is_file():
         return out
@@ -44,8 +47,9 @@ def finetune(
         out,
         train,
         FINETUNE_INFO,
-        {"base": str(base), "data": data.source},
+        {"base": str(base), "data": data.source, "last_layers": last_layers},
         existing="replace",
+        last_layers=last_layers,
         seed=seed,
         steps=steps,
         batch_size=batch_size,
@@ -68,6 +72,7 @@ def train_checkpoint(
     trust_remote_code: bool = False,
     before_write: Callable[[dict], None] | None = None,
     gradient_checkpointing: bool = False,
+    last_layers: int | None = None,
     **loop,
 ) -> dict:
     """Train the checkpoint ``base`` on the sequences ``train`` with the tool's one training
@@ -76,10 +81,13 @@ def train_checkpoint(
     record (``info`` and the loop's, completed by ``before_write`` where given) as
     ``info_file``; staged, and refused with nothing written if a value is not finite. Returns
     the record. With ``gradient_checkpointing`` each layer's activations are recomputed in the
-    backward pass (:func:`recompute_activations`)."""
+    backward pass (:func:`recompute_activations`); with ``last_layers`` only the last that many
+    decoder layers train (:func:`train_last_layers`)."""
     model = AutoModelForCausalLM.from_pretrained(
         str(base), dtype=torch.float32, trust_remote_code=trust_remote_code, use_kernels=False
     ).to(device)
+    if last_layers is not None:
+        train_last_layers(model, last_layers)
     if gradient_checkpointing:
         recompute_activations(model)
     loop.setdefault("warmup", loop["steps"] // 10)
@@ -99,6 +107,22 @@ def train_checkpoint(
             )
         (staging / info_file).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record
+
+
+def train_last_layers(model: PreTrainedModel, count: int) -> None:
+    """Freeze every parameter of ``model`` but those of its last ``count`` decoder layers: the
+    optimizer then holds state for those alone, and the backward pass stops at the first of
+    them."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not 1 <= count <= len(layers):
+        total = "none" if layers is None else len(layers)
+        raise LmcError(
+            f"cannot train the last {count} decoder layers of {type(model).__name__} "
+            f"({total} found); give a count from 1 to its number of layers"
+        )
+    model.requires_grad_(False)
+    for layer in layers[len(layers) - count :]:
+        layer.requires_grad_(True)
 
 
 def recompute_activations(model: PreTrainedModel) -> None:
