@@ -41,9 +41,9 @@ tokens). Losses are mean next-token nats.
   watch kept.
 - ``finetune``: the model fine-tuned here on the King James Bible (``--finetune-steps`` steps,
   cached; a model whose float32 training state exceeds memory trains its last layers only, as
-  its :class:`RealModel` says), merged with its base by ``lmc_dm`` (the default recipe) and by mergekit's ``linear``
-  (weights ½, ½); the losses of base, fine-tune and both merges on the Austen and the KJV test
-  text.
+  its :class:`RealModel` says), merged with its base by ``lmc_dm`` (the default recipe) and
+  by mergekit's ``linear`` (weights ½, ½); the losses of base, fine-tune and both merges on
+  the Austen and the KJV test text.
 - ``subclone``: ``subclone_compensate`` to two smaller shapes of the family, compensated and
   plain selection (``compensate: false, rescale: none``); zero-shot and after ``--heal-steps``
   steps of ``lmc-mergekit heal`` on the bundled corpus (batch 8, lr 3e-4; its default since

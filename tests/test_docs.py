@@ -211,3 +211,39 @@ def test_readme_shows_what_the_demo_prints(tmp_path):
     assert result.exit_code == 0, result.output
     printed = result.stdout[result.stdout.rindex("models:") :].strip()
     assert summary_lines(shown) == summary_lines(printed)
+
+
+def test_the_stale_block_lister_names_each_block_to_write_again(tmp_path):
+    """``benchmarks/docs_blocks.py``: a block written at the checked-out commit is current; a
+    transcribed one, one from uncommitted code and one at a commit this clone lacks are
+    listed, each with its reason and command, and the check fails."""
+    import subprocess
+    import sys
+
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+
+    def block(name: str, first: str) -> str:
+        marker = f"benchmarks/demo.py:{name}"
+        return f"<!-- begin {marker} -->\n{first}\n\n| a |\n<!-- end {marker} -->\n"
+
+    where = "on 2 cores of a CPU, 2026-12-07"
+    page = tmp_path / "page.md"
+    page.write_text(
+        block("now", f"Written by `python benchmarks/demo.py` {where}, commit {head}.")
+        + block("hand", "Transcribed from the output of `x` as of commit 0000000 (2026-01-01).")
+        + block("dirty", f"Written by `python benchmarks/demo.py` {where}, commit {head}+changes.")
+        + block("gone", f"Written by `python benchmarks/demo.py --a` {where}, commit {'f' * 40}.")
+    )
+    script = [sys.executable, str(ROOT / "benchmarks" / "docs_blocks.py")]
+    stale = subprocess.run([*script, "stale", str(page)], capture_output=True, text=True)
+    assert stale.returncode == 1, stale.stderr
+    lines = stale.stdout.splitlines()
+    assert [line.split(": ")[0].rsplit(":", 1)[1] for line in lines] == ["hand", "dirty", "gone"]
+    assert "transcribed by hand" in lines[0] and "uncommitted code" in lines[1]
+    assert "does not have" in lines[2] and lines[2].endswith("run: python benchmarks/demo.py --a")
+    listed = subprocess.run([*script, "list", str(page)], capture_output=True, text=True)
+    assert listed.returncode == 0 and "demo.py:now: current" in listed.stdout
