@@ -317,7 +317,8 @@ def test_a_bf16_scramble_is_undone_in_one_round_at_its_rounding_floor(model_dirs
 def test_a_scramble_s_neurons_are_assigned_from_the_proposal(model_dirs, tmp_path, monkeypatch):
     """In a scramble's first round every layer's neurons are assigned from the projected
     proposal (no ``dff × dff`` similarity is computed); where a proposal is wrong, the layer
-    is solved exactly instead, and both give the same transform."""
+    is solved exactly instead, both give the same transform, and after the first miss no
+    other layer is proposed (an unrelated pair's never land)."""
     a, b = _bf16_pair(model_dirs["llama_gqa_tied"], tmp_path)
     exact = []
     similarity = weight_matching.neuron_similarity
@@ -327,11 +328,14 @@ def test_a_scramble_s_neurons_are_assigned_from_the_proposal(model_dirs, tmp_pat
     proposed = match_weights(open_model(a), open_model(b))
     assert proposed.iterations == 1 and exact == []
     # A wrong proposal (the identity): every layer lands far above B's rounding, then is solved.
+    proposals = []
     monkeypatch.setattr(
-        weight_matching, "proposed_permutation", lambda mlp, _: torch.arange(len(mlp.up))
+        weight_matching,
+        "proposed_permutation",
+        lambda mlp, _: proposals.append(1) or torch.arange(len(mlp.up)),
     )
     solved = match_weights(open_model(a), open_model(b))
-    assert len(exact) == open_model(a).spec.num_layers
+    assert len(exact) == open_model(a).spec.num_layers > 1 and len(proposals) == 1
     assert solved.distance == proposed.distance and solved.stopped == proposed.stopped
     for got, want in zip(proposed.transform.layers, solved.transform.layers, strict=True):
         assert torch.equal(got.ffn_perm, want.ffn_perm) and torch.equal(got.qk, want.qk)

@@ -356,6 +356,9 @@ def _round(
     # First-round layers B matches to its storage rounding: their share of the next rotation's
     # cross-correlation is computed only if a next round is needed (a scramble needs none).
     deferred = []
+    # Proposals are tried while they land: a scramble's land in every layer, an unrelated
+    # pair's in none, and there the first miss stops the wasted tries.
+    proposing = True
     for index in range(spec.num_layers):
         bar.set_postfix_str(f"round {iteration}, layer {index + 1}/{spec.num_layers}")
         (raw_a, block_a), (raw, block_b) = a.read(index), b.read(index)
@@ -372,7 +375,8 @@ def _round(
         # In the first round a proposed neuron assignment is tried first, and kept only where
         # it moves the layer within its storage rounding of A: then it is the symmetry (no
         # assignment can do better than rounding), found at a fortieth of the products.
-        for propose in (True, False) if rounding is not None and not keep else (False,):
+        tries = (True, False) if rounding is not None and not keep and proposing else (False,)
+        for propose in tries:
             layer = match_layer(block_a, turned, spec, previous[index], keep, propose)
             work = _in_dtype(layer, WORK_DTYPE, a.device)
             moved = apply_layer_transform(turned, spec, work)
@@ -380,6 +384,7 @@ def _round(
             gap = squared[0] / max(squared[1], 1e-300)
             if not propose or gap <= ROUNDING_FLOOR**2 * rounding:
                 break
+            proposing = False
         acc.add(*squared)
         solved += not keep
         changed.append(previous[index] is None or not _same_assignment(layer, previous[index]))
