@@ -144,8 +144,10 @@ def first_non_finite(folder: Path) -> tuple[str, int] | None:
     shards) that holds NaN or Inf values, and how many; None when every value is finite."""
     counts: dict[str, int] = {}
     for name, tensor in _stored_tensors(folder):
-        if tensor.is_floating_point():
-            counts[name] = counts.get(name, 0) + int((~torch.isfinite(tensor)).sum())
+        counts.setdefault(name, 0)
+        # Counted only where a value is not finite: the count makes a mask of the slice.
+        if tensor.is_floating_point() and not all_finite(tensor):
+            counts[name] += int((~torch.isfinite(tensor)).sum())
     return next(((name, count) for name, count in counts.items() if count), None)
 
 
