@@ -226,3 +226,18 @@ def test_base_and_instruct_models_merge_and_the_report_names_the_differences(tmp
     card = (out / "README.md").read_text()
     assert "Every sequence starts with `<bos> (300)`" in card
     assert f"eos <|endoftext|> (0) vs {IM_END} (301); the chat template" in card
+
+
+def test_a_folder_s_tokenizer_is_loaded_once_while_its_files_stay_the_same(tmp_path):
+    """A recipe's stages ask for a model's tokenizer several times: the second ask gets the
+    loaded one, and a folder whose tokenizer files changed since is read again."""
+    import os
+
+    path = folder(tmp_path / "m", make_tokenizer(), 512)
+    first = shared_tokenizer([path]).tokenizer
+    assert shared_tokenizer([path]).tokenizer is first
+    config = path / "tokenizer_config.json"
+    stat = config.stat()
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    again = shared_tokenizer([path]).tokenizer
+    assert again is not first and again.get_vocab() == first.get_vocab()

@@ -11,6 +11,8 @@ pads to 151,936), never fewer.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,18 +208,31 @@ def text_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
 
 
 def _tokenizer_of(folder: Path) -> Any:
-    from transformers import AutoTokenizer
-
     if not has_tokenizer(folder):
         raise LmcError(
             f"evaluation needs the model's tokenizer, but {folder} has no tokenizer files; "
             "copy them from the model it was trained or merged from"
         )
+    stamp = tuple(
+        (path.name, stat.st_mtime_ns, stat.st_size)
+        for path in sorted(folder.iterdir())
+        if path.is_file() and (stat := path.stat())
+    )
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return _loaded_tokenizer(str(folder), stamp)
     except (OSError, ValueError, TypeError) as error:
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise LmcError(f"could not load the tokenizer in {folder}: {first_line}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded_tokenizer(folder: str, stamp: tuple) -> Any:
+    """The tokenizer in ``folder``, loaded once a process while its files (``stamp``: every
+    file's name, time and size) are unchanged: a recipe's stages ask for it several times, and a 150k-token
+    tokenizer takes a second or more to load. Callers only read it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def _conflict(first: dict[str, int], other: dict[str, int]) -> tuple[str, int, int] | None:
