@@ -12,7 +12,6 @@ pads to 151,936), never fewer.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,8 +227,8 @@ def _tokenizer_of(folder: Path) -> Any:
 @functools.lru_cache(maxsize=4)
 def _loaded_tokenizer(folder: str, stamp: tuple) -> Any:
     """The tokenizer in ``folder``, loaded once a process while its files (``stamp``: every
-    file's name, time and size) are unchanged: a recipe's stages ask for it several times, and a 150k-token
-    tokenizer takes a second or more to load. Callers only read it."""
+    file's name, time and size) are unchanged: a recipe's stages ask for it several times,
+    and a 150k-token tokenizer takes a second or more to load. Callers only read it."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
