@@ -13,11 +13,8 @@ from test_learned_matching import CPU, randomized
 from tiny_models import VARIANTS, build_model, probe_ids
 
 from lmc_mergekit.matching import interpolation
-from lmc_mergekit.matching.interpolation import (
-    InterpolationObjective,
-    device_shortfall,
-    step_memory,
-)
+from lmc_mergekit.matching.interpolation import InterpolationObjective
+from lmc_mergekit.matching.step_memory import device_shortfall, step_memory
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import iter_tensors, map_named_tensors, materialize

@@ -40,10 +40,9 @@ from lmc_mergekit.matching.interpolation import (
     InterpolationObjective,
     Precision,
     autocast_dtype,
-    device_shortfall,
     endpoint_dtype,
-    step_memory,
 )
+from lmc_mergekit.matching.step_memory import device_shortfall, step_memory
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import ModelSpec, ModelView
 from lmc_mergekit.runtime.distributed import Processes
