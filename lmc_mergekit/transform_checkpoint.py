@@ -23,7 +23,7 @@ from lmc_mergekit.models.view import Block, Embeddings, Head, ModelSpec, row_chu
 from lmc_mergekit.runtime.memory import release_freed_memory
 from lmc_mergekit.runtime.publish import staged_folder
 from lmc_mergekit.symmetry import Transform, apply_transform
-from lmc_mergekit.symmetry.actions import rounded, stored_dtypes
+from lmc_mergekit.symmetry.weight_actions import rounded, stored_dtypes
 
 
 def transform_checkpoint(

@@ -19,8 +19,9 @@ from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import iter_tensors, map_named_tensors, materialize
 from lmc_mergekit.symmetry import Transform, apply_transform
-from lmc_mergekit.symmetry.actions import activation_actions, transform_block
+from lmc_mergekit.symmetry.activation_actions import activation_actions
 from lmc_mergekit.symmetry.parametrize import FAMILIES
+from lmc_mergekit.symmetry.weight_actions import transform_block
 
 #: The first endpoint learns no scale (learn_symmetries: only ratios matter).
 FIRST = tuple(f for f in FAMILIES if f != "scale")

@@ -403,7 +403,7 @@ def test_a_tied_endpoints_head_is_read_through_its_tokens(variant, keep_tie, tmp
     from lmc_mergekit.matching.interpolation import InterpolationObjective
     from lmc_mergekit.models.block_runner import BlockRunner, final_norm
     from lmc_mergekit.symmetry import apply_transform
-    from lmc_mergekit.symmetry.actions import head_through_tokens
+    from lmc_mergekit.symmetry.weight_actions import head_through_tokens
 
     folders = [build_model(variant, tmp_path / name, seed=s) for s, name in enumerate("ab")]
     views = [open_model(folder) for folder in folders]

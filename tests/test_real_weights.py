@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.symmetry import actions, random_transform
+from lmc_mergekit.symmetry import random_transform, weight_actions
 from lmc_mergekit.transform_checkpoint import transform_checkpoint
 from lmc_mergekit.zoo import build_zoo
 from lmc_mergekit.zoo.architectures import ZOO_ARCHITECTURES
@@ -100,7 +100,7 @@ def test_a_one_percent_bug_in_half_a_layer_still_fails(real_like, arch, tmp_path
     whole layer: a post-norm would normalise that away), written exactly as computed, so that
     every stored tensor is the exact result rounded once: the function check alone must see
     it, though legitimate transforms of the same weights stay below 1e-5."""
-    exact_block = actions.TransformedView.block
+    exact_block = weight_actions.TransformedView.block
 
     def buggy_block(self, index):
         block = exact_block(self, index)
@@ -110,7 +110,7 @@ def test_a_one_percent_bug_in_half_a_layer_still_fails(real_like, arch, tmp_path
         down[:, : down.shape[1] // 2] *= 1.01
         return replace(block, mlp=replace(block.mlp, down=down))
 
-    monkeypatch.setattr(actions.TransformedView, "block", buggy_block)
+    monkeypatch.setattr(weight_actions.TransformedView, "block", buggy_block)
     with pytest.raises(LmcError, match="is not a symmetry of this model"):
         scramble(real_like[arch], tmp_path / "moved")
     assert not (tmp_path / "moved").exists()

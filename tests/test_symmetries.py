@@ -236,7 +236,7 @@ def test_half_precision_head_maps_are_inverted_in_float32(model_dirs, kind):
     """Under CUDA's bf16 autocast the learned head maps reach the action in bf16 (the CPU's
     autocast inverts in float32 by itself, so only this test sees it): they act as their
     float32 values would, rather than failing in ``linalg.inv``."""
-    from lmc_mergekit.symmetry.actions import apply_ov_maps, apply_qk_maps
+    from lmc_mergekit.symmetry.weight_actions import apply_ov_maps, apply_qk_maps
 
     view = open_model(model_dirs["llama_gqa_tied"])
     spec, attn = view.spec, view.block(0).attn
@@ -256,7 +256,7 @@ def test_a_bf16_model_moved_in_float32_is_its_float64_move_rounded(model_dirs, v
     rounding boundary) or within float32's error of the tensor's scale (a value that cancels
     to near zero)."""
     from lmc_mergekit.models.view import iter_tensors, map_tensors, materialize
-    from lmc_mergekit.symmetry.actions import (
+    from lmc_mergekit.symmetry.weight_actions import (
         compute_dtype,
         transform_block,
         transform_embeddings,

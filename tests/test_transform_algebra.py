@@ -146,8 +146,8 @@ def test_transform_command_refuses_a_file_with_nan_before_writing(
 def test_a_signed_permutation_turns_by_moving_columns_exactly():
     """``turned`` moves columns for a fixed signed permutation (no product) and multiplies
     otherwise; either way it is ``x·Q`` exactly."""
-    from lmc_mergekit.symmetry.actions import turned
     from lmc_mergekit.symmetry.sampling import random_orthogonal, random_signed_permutation
+    from lmc_mergekit.symmetry.weight_actions import turned
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, 7, dtype=torch.float64, generator=generator)

@@ -3,11 +3,12 @@
 Two checks, both before anything is kept:
 
 - **function**: the exact transform of the source (computed in float32, float64 for parts
-  stored in float32; see :func:`~lmc_mergekit.symmetry.actions.compute_dtype`) must compute the
-  source's logits on a probe batch (bundled text through the model's own tokenizer, or fixed
-  random ids without one), whatever the checkpoint's dtype. Both models run in float64, so
-  that the float32 noise of a deep or wide model does not count as a difference; the moved
-  model also runs in float32, and its own float32 noise on the probe sets the tolerance:
+  stored in float32; see :func:`~lmc_mergekit.symmetry.weight_actions.compute_dtype`) must
+  compute the source's logits on a probe batch (bundled text through the model's own
+  tokenizer, or fixed random ids without one), whatever the checkpoint's dtype. Both models
+  run in float64, so that the float32 noise of a deep or wide model does not count as a
+  difference; the moved model also runs in float32, and its own float32 noise on the probe sets
+  the tolerance:
   ``max|Δlogits| / max(1, max|logits|)`` of the two float64 runs must stay within
   :data:`NOISE_MARGIN` times the moved model's float32-against-float64 difference (at least
   :data:`FUNCTION_FLOOR`). A wrong transform moves the logits by orders of magnitude more; a

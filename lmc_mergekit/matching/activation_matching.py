@@ -44,8 +44,8 @@ from lmc_mergekit.matching.weight_matching import match_layer
 from lmc_mergekit.models.block_runner import BlockActivations, BlockRunner, embed
 from lmc_mergekit.models.view import Block, ModelSpec, ModelView, map_tensors
 from lmc_mergekit.symmetry import LayerTransform, Transform, apply_transform
-from lmc_mergekit.symmetry.actions import transform_block
 from lmc_mergekit.symmetry.group import symmetry_group
+from lmc_mergekit.symmetry.weight_actions import transform_block
 
 #: Calibration sequences run through both models at once.
 BATCH = 8

@@ -8,9 +8,9 @@ differentiable actions that write checkpoints and mixed with weights ``λ``; a b
 through a one-layer stock ``transformers`` module
 (:meth:`~lmc_mergekit.models.block_runner.BlockRunner.mixed_output`) whose projections each run
 once per endpoint on its held weights, the symmetry moving what they read and write
-(:class:`~lmc_mergekit.symmetry.actions.ActivationAction`: ``proj(x·Qᵀ)`` for a reader of the
-stream, per-head maps on queries, keys, values), and add up with weights ``λ``: by linearity
-the block of the mixed moved weights, at the cost of the endpoints' projections on the
+(:class:`~lmc_mergekit.symmetry.activation_actions.ActivationAction`: ``proj(x·Qᵀ)`` for a
+reader of the stream, per-head maps on queries, keys, values), and add up with weights ``λ``:
+by linearity the block of the mixed moved weights, at the cost of the endpoints' projections on the
 batch's tokens rather than of moving ``d × d`` products of every weight. The first endpoint's
 rotation and per-head maps are moved onto the others (the loss is invariant under one symmetry
 of the whole mix), so its projections run as they are. A step makes each symmetry's rotation
@@ -55,15 +55,15 @@ from lmc_mergekit.models.block_runner import (
 from lmc_mergekit.models.view import Head, ModelView, iter_tensors, map_named_tensors
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.memory import trim_heap
-from lmc_mergekit.symmetry.actions import (
-    activation_actions,
+from lmc_mergekit.symmetry.activation_actions import activation_actions
+from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
+from lmc_mergekit.symmetry.transform import Transform
+from lmc_mergekit.symmetry.weight_actions import (
     apply_transform,
     head_through_tokens,
     transform_embeddings,
     transform_head,
 )
-from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
-from lmc_mergekit.symmetry.transform import Transform
 
 #: How learned matching computes: ``bf16`` (under ``torch.autocast``, endpoints held in bf16),
 #: ``float32``, or ``auto`` (bf16 on a GPU, float32 elsewhere).

@@ -78,7 +78,8 @@ from lmc_mergekit.models.view import (
     row_chunks,
 )
 from lmc_mergekit.symmetry import LayerTransform, Transform
-from lmc_mergekit.symmetry.actions import (
+from lmc_mergekit.symmetry.group import symmetry_group
+from lmc_mergekit.symmetry.weight_actions import (
     apply_layer_transform,
     compute_dtype,
     permute_heads,
@@ -86,7 +87,6 @@ from lmc_mergekit.symmetry.actions import (
     transform_embeddings,
     transform_head,
 )
-from lmc_mergekit.symmetry.group import symmetry_group
 
 #: A round that shortens the distance by less than this (relative) ends the descent: far below
 #: what the barrier can feel (``benchmarks/weight_matching_barrier.py``).

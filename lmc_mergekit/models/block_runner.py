@@ -162,9 +162,9 @@ class _OneLayer(FunctionalModel):
 class StreamMaps(Protocol):
     """How one model of a mix is moved, seen from a block's activations: what
     :meth:`BlockRunner.mixed_output` asks of each model (learned matching's
-    :class:`~lmc_mergekit.symmetry.actions.ActivationAction`). Pieces are the canonical view's
-    (``attn.q``, ``mlp.down``), their rows (a reader's outputs) or columns (a writer's inputs)
-    last; ``layer`` is the block's layer in the model."""
+    :class:`~lmc_mergekit.symmetry.activation_actions.ActivationAction`). Pieces are the
+    canonical view's (``attn.q``, ``mlp.down``), their rows (a reader's outputs) or columns (a
+    writer's inputs) last; ``layer`` is the block's layer in the model."""
 
     def norms(self, block: Block, layer: int) -> Block:
         """``block`` with its vectors (norms) as the model's are; its matrices are meta."""

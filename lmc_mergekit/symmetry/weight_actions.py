@@ -1,4 +1,4 @@
-"""Applying a :class:`Transform` to a model view, one part at a time.
+"""Applying a :class:`Transform` to a model's weights: a model view, one part at a time.
 
 The actions are plain differentiable torch operations in the dtype of their inputs: a
 :class:`TransformedView` computes in float32 (float64 for parts stored in float32) and casts
@@ -10,7 +10,7 @@ reference notes (§2) for the algebra.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -213,7 +213,7 @@ def transform_head(head: Head, t: Transform) -> Head:
     if t.rotation is not None:
         gain = turned(gain, t.rotation.abs())
         bias = None if bias is None else turned(bias, t.rotation)
-    moved = norm.with_gain(_scaled(gain, t, -1), _scaled(bias, t, -1))
+    moved = norm.with_gain(scaled(gain, t, -1), scaled(bias, t, -1))
     return replace(head, norm=moved, weight=_write(head.weight, t))
 
 
@@ -233,7 +233,7 @@ def transform_block(block: Block, spec: ModelSpec, t: Transform, index: int) -> 
     mlp_norm, mlp_readers = _read_stream(block.mlp_norm, mlp_readers, t)
     (q, q_bias), (k, k_bias), (v, v_bias) = attn_readers
     if spec.qk_norm != "none":
-        q, q_bias, k, k_bias = (_scaled(x, t, 1) for x in (q, q_bias, k, k_bias))
+        q, q_bias, k, k_bias = (scaled(x, t, 1) for x in (q, q_bias, k, k_bias))
     (up, up_bias), *gated = mlp_readers
     gate, gate_bias = gated[0] if gated else (None, None)
     o, o_bias = _write_linear(a.o, a.o_bias, t)
@@ -254,8 +254,8 @@ def transform_block(block: Block, spec: ModelSpec, t: Transform, index: int) -> 
             gate_bias=gate_bias,
             down_bias=down_bias,
         ),
-        attn_post_norm=_post_norm(block.attn_post_norm, t),
-        mlp_post_norm=_post_norm(block.mlp_post_norm, t),
+        attn_post_norm=transform_post_norm(block.attn_post_norm, t),
+        mlp_post_norm=transform_post_norm(block.mlp_post_norm, t),
     )
     return apply_layer_transform(block, spec, t.layers[index])
 
@@ -318,7 +318,7 @@ def _read_stream(
         rotated = (
             readers if t.rotation is None else [(turned(w, t.rotation), b) for w, b in readers]
         )
-        return None, [(_scaled(w, t, -1), b) for w, b in rotated]
+        return None, [(scaled(w, t, -1), b) for w, b in rotated]
     if t.absorb_norms:
         norm, readers = absorb_norm(norm, readers)
     if t.rotation is None:
@@ -327,16 +327,16 @@ def _read_stream(
     return replace(norm, bias=bias), [(turned(w, t.rotation), b) for w, b in readers]
 
 
-def _post_norm(norm: Norm | None, t: Transform) -> Norm | None:
+def transform_post_norm(norm: Norm | None, t: Transform) -> Norm | None:
     """A norm between a block's output and the stream: its writer already sends ``g·y·P``, so
     its gain moves with the signed permutation ``P`` (``γ ← g·γ·|P|``), never mixing channels."""
     if norm is None:
         return None
     gain = norm.gain if t.rotation is None else turned(norm.gain, t.rotation.abs())
-    return norm.with_gain(_scaled(gain, t, 1), norm.bias)
+    return norm.with_gain(scaled(gain, t, 1), norm.bias)
 
 
-def _scaled(x: torch.Tensor | None, t: Transform, power: int) -> torch.Tensor | None:
+def scaled(x: torch.Tensor | None, t: Transform, power: int) -> torch.Tensor | None:
     """``x·g^power`` (a learned scale is a tensor and always multiplies: it carries a gradient
     even at 1)."""
     if x is None or (not isinstance(t.scale, torch.Tensor) and t.scale == 1.0):
@@ -346,7 +346,7 @@ def _scaled(x: torch.Tensor | None, t: Transform, power: int) -> torch.Tensor | 
 
 def _write(x: torch.Tensor, t: Transform) -> torch.Tensor:
     """Rows written into the residual stream: ``x ← g·x·Q``."""
-    return _scaled(x if t.rotation is None else turned(x, t.rotation), t, 1)
+    return scaled(x if t.rotation is None else turned(x, t.rotation), t, 1)
 
 
 def turned(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -420,7 +420,7 @@ def permute_ffn(mlp: MLP, perm: torch.Tensor) -> MLP:
     )
 
 
-def _invertible(maps: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def invertible(maps: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``maps`` in a dtype ``linalg.inv`` takes and no coarser than the weights they act on:
     CUDA's bf16 autocast hands learned maps over in bf16 (the CPU's inverts in float32)."""
     dtype = torch.promote_types(torch.promote_types(maps.dtype, weight.dtype), torch.float32)
@@ -432,7 +432,7 @@ def apply_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Atten
     if spec.qk_norm != "none":
         return _apply_normed_qk_maps(attn, spec, maps)
     hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
-    maps = _invertible(maps, attn.q)
+    maps = invertible(maps, attn.q)
     inv = torch.linalg.inv(maps)
     q = torch.einsum("jba,jgbd->jgad", maps, attn.q.reshape(hkv, g, dh, -1))
     k = torch.einsum("jab,jbd->jad", inv, attn.k.reshape(hkv, dh, -1))
@@ -449,8 +449,8 @@ def apply_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Atten
 def _apply_normed_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
     """Diagonal QK maps under a QK-norm (:mod:`.group`): their signs flip rows of ``W_q`` and
     ``W_k`` (the norm commutes with that), their magnitudes scale the ``q_norm`` gain and divide
-    the ``k_norm`` one (:func:`_normed_qk_parts`)."""
-    q_sign, k_sign, q_norm, k_norm = _normed_qk_parts(attn, spec, maps)
+    the ``k_norm`` one (:func:`normed_qk_parts`)."""
+    q_sign, k_sign, q_norm, k_norm = normed_qk_parts(attn, spec, maps)
     return replace(
         attn,
         q=_signed_rows(attn.q, q_sign),
@@ -462,11 +462,11 @@ def _apply_normed_qk_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) 
     )
 
 
-def _normed_qk_parts(
+def normed_qk_parts(
     attn: Attention, spec: ModelSpec, maps: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, Norm, Norm]:
     """Diagonal QK maps under a QK-norm as they act: the sign of each row of ``W_q`` and of
-    ``W_k`` (:func:`_qk_signs`), and the ``q_norm`` and ``k_norm`` with their gains times and
+    ``W_k`` (:func:`qk_signs`), and the ``q_norm`` and ``k_norm`` with their gains times and
     divided by the maps' magnitudes (a per-head norm's gain is shared by all heads: kv head 0's
     magnitudes)."""
     if attn.q_norm.bias is not None or attn.k_norm.bias is not None:
@@ -481,13 +481,13 @@ def _normed_qk_parts(
         k_scale = magnitude.reshape(-1)
     q_norm, k_norm = attn.q_norm, attn.k_norm
     return (
-        *_qk_signs(maps, spec),
+        *qk_signs(maps, spec),
         q_norm.with_gain(q_norm.gain * q_scale.to(q_norm.weight), q_norm.bias),
         k_norm.with_gain(k_norm.gain / k_scale.to(k_norm.weight), k_norm.bias),
     )
 
 
-def _qk_signs(maps: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_signs(maps: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The signs of diagonal QK maps ``(kv heads, dh, dh)`` per row of ``W_q`` (each query
     head its group's) and of ``W_k``. Discrete: detached, since their gradient is zero and
     a sign that asked for one would make the rows it multiplies ask for theirs."""
@@ -504,7 +504,7 @@ def _signed_rows(x: torch.Tensor | None, sign: torch.Tensor) -> torch.Tensor | N
 def apply_ov_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Attention:
     """``v_j ← v_j·N_j`` and every output block of group ``j`` by ``N_j⁻ᵀ``."""
     hkv, g, dh = spec.num_kv_heads, spec.group_size, spec.head_dim
-    maps = _invertible(maps, attn.v)
+    maps = invertible(maps, attn.v)
     inv = torch.linalg.inv(maps)
     v = torch.einsum("jba,jbd->jad", maps, attn.v.reshape(hkv, dh, -1))
     d = attn.o.shape[0]
@@ -513,172 +513,3 @@ def apply_ov_maps(attn: Attention, spec: ModelSpec, maps: torch.Tensor) -> Atten
     if attn.v_bias is not None:
         v_bias = torch.einsum("jb,jba->ja", attn.v_bias.reshape(hkv, dh), maps).reshape(-1)
     return replace(attn, v=v.reshape(attn.v.shape), o=o.reshape(d, -1), v_bias=v_bias)
-
-
-# ---- the same symmetries acting on a block's activations ----------------------------------
-
-
-@dataclass(frozen=True)
-class ActivationAction:
-    """A transform's residual map ``Q``, global scale ``g`` and per-head QK and OV maps acting
-    on the activations of a block instead of on its weights (learned matching's mixes: the
-    block runner's ``StreamMaps``). Each projection computes with the weights it holds what it
-    would compute with the moved ones: a reader of the stream ``proj(x·Qᵀ)`` for weights
-    ``W·Q``, a writer ``g·proj(z)·Q`` for ``g·Qᵀ·W`` and ``g·b·Q``, queries ``proj(x)·M`` per
-    head for ``Mᵀ·W_q`` (reference notes §2), so that moving a block costs what its tokens do,
-    not ``d`` times its weights. The norms' vectors move in weight space (:meth:`norms`). Made
-    by :func:`activation_actions`, each layer's maps with their inverses; no permutations
-    (they are matching's, already applied to the weights)."""
-
-    spec: ModelSpec
-    rotation: torch.Tensor | None = None
-    scale: float | torch.Tensor = 1.0
-    #: Per layer, per key/value head ``(kv heads, dh, dh)``: the QK maps (diagonal under a
-    #: QK-norm) and, without a QK-norm, their inverse transposes (what keys are multiplied
-    #: by); the OV maps and their inverses. One tuple of views each, so that a step's
-    #: gradient reaches the stacked maps in one piece, not as a full-size one per layer.
-    qk: tuple[torch.Tensor, ...] | None = None
-    qk_inverse: tuple[torch.Tensor, ...] | None = None
-    ov: tuple[torch.Tensor, ...] | None = None
-    ov_inverse: tuple[torch.Tensor, ...] | None = None
-    #: What readers' inputs and writers' outputs are multiplied by where there is a rotation
-    #: (``Qᵀ``, or ``Qᵀ/g`` with no norm in between; ``g·Q``): made once a step, each a
-    #: ``d × d`` product where scaling every block's activations would be a ``tokens × d`` one.
-    reader: torch.Tensor | None = None
-    writer: torch.Tensor | None = None
-
-    def norms(self, block: Block, layer: int) -> Block:
-        """``block`` (layer ``layer``, its norms absorbed) with its norms as
-        :func:`transform_block` moves them: a bias kept in a pre-norm turns with the stream,
-        post-norm gains move by ``g·|Q|``, QK-norm gains by the QK maps' magnitudes; its
-        projections as they are (:meth:`reads` and the others move them)."""
-        attn = block.attn
-        if self.qk is not None and self.spec.qk_norm != "none":
-            _, _, q_norm, k_norm = _normed_qk_parts(attn, self.spec, self.qk[layer])
-            attn = replace(attn, q_norm=q_norm, k_norm=k_norm)
-        return replace(
-            block,
-            attn_norm=self._pre_norm(block.attn_norm),
-            mlp_norm=self._pre_norm(block.mlp_norm),
-            attn=attn,
-            attn_post_norm=_post_norm(block.attn_post_norm, self),
-            mlp_post_norm=_post_norm(block.mlp_post_norm, self),
-        )
-
-    def _pre_norm(self, norm: Norm | None) -> Norm | None:
-        if norm is None or norm.bias is None or self.rotation is None:
-            return norm
-        return replace(norm, bias=turned(norm.bias, self.rotation))
-
-    def reads(self, x: torch.Tensor) -> torch.Tensor:
-        """What the readers of the stream take for ``x``, the (normalised) stream they read:
-        ``x·Qᵀ``, divided by ``g`` where no norm is in between."""
-        if self.reader is not None:
-            return x @ self.reader
-        return x if self.spec.pre_norms else _scaled(x, self, -1)
-
-    def read(self, piece: str, y: torch.Tensor, layer: int) -> torch.Tensor:
-        """``y``, outputs of reader ``piece`` (``attn.q``, ``attn.k``, ``attn.v``, ``mlp.up``,
-        ``mlp.gate``; its canonical rows last), as the moved weights make them: queries per
-        head times the QK map, keys times its inverse transpose, values times the OV map;
-        under a QK-norm queries and keys times ``g`` and the maps' signs."""
-        if piece in ("attn.q", "attn.k"):
-            query = piece == "attn.q"
-            if self.spec.qk_norm != "none":
-                y = _scaled(y, self, 1)
-                if self.qk is not None:
-                    y = y * _qk_signs(self.qk[layer], self.spec)[0 if query else 1].to(y.dtype)
-            elif self.qk is not None:
-                y = _per_head(y, (self.qk if query else self.qk_inverse)[layer])
-        elif piece == "attn.v" and self.ov is not None:
-            y = _per_head(y, self.ov[layer])
-        return y
-
-    def writes_from(self, piece: str, z: torch.Tensor, layer: int) -> torch.Tensor:
-        """What writer ``piece`` (``attn.o``, ``mlp.down``) takes for its input ``z`` (its
-        canonical columns last): attention outputs per head times the OV map's inverse."""
-        if piece == "attn.o" and self.ov is not None:
-            z = _per_head(z, self.ov_inverse[layer])
-        return z
-
-    def writes(self, y: torch.Tensor) -> torch.Tensor:
-        """What a writer adds to the stream for its output ``y``: ``g·y·Q``."""
-        return _scaled(y, self, 1) if self.writer is None else y @ self.writer
-
-
-def activation_actions(
-    transforms: list[Transform | None], spec: ModelSpec
-) -> list[ActivationAction]:
-    """``transforms`` (residual maps, scales and per-head maps; None: the identity) as
-    :class:`ActivationAction` s on the models of ``spec`` whose mix is run, the first's
-    per-head maps moved onto the others (``M_i·M_0⁻¹``, the first without any): the maps act
-    linearly on the weights and a mix moved by one of them computes what it did, so the mix
-    is the same and its first model's projections run as they are. Every map of every model
-    and layer is inverted in one batched call (a layer without a map has the identity)."""
-    identity = Transform(spec.num_layers)
-    stacked = {
-        (kind, index): maps
-        for kind in ("qk", "ov")
-        for index, t in enumerate(transforms)
-        if (maps := _stacked_maps(t or identity, kind)) is not None
-    }
-    maps = inverses = {}
-    if stacked:
-        every = torch.stack(list(stacked.values()))
-        every = _invertible(every, every)
-        maps = dict(zip(stacked, every.unbind(), strict=True))
-        inverses = dict(zip(stacked, torch.linalg.inv(every).unbind(), strict=True))
-
-    def relative(kind: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Model ``index``'s maps ``M_i·M_0⁻¹`` of ``kind`` and their inverses."""
-        own, first = (kind, index), (kind, 0)
-        if index == 0 or (own not in maps and first not in maps):
-            return None, None
-        if first not in maps:
-            return maps[own], inverses[own]
-        if own not in maps:
-            return inverses[first], maps[first]
-        return maps[own] @ inverses[first], maps[first] @ inverses[own]
-
-    actions = []
-    for index, t in enumerate(transforms):
-        qk, qk_inverse = relative("qk", index)
-        ov, ov_inverse = relative("ov", index)
-        if spec.qk_norm != "none":  # diagonal maps: signs and magnitudes, no inverse
-            qk_inverse = None
-        elif qk_inverse is not None:
-            qk_inverse = qk_inverse.mT
-        t = t or identity
-        layers = [None if x is None else x.unbind() for x in (qk, qk_inverse, ov, ov_inverse)]
-        reader = writer = None
-        if t.rotation is not None:
-            # A product even for a (signed) permutation: telling one apart syncs a GPU.
-            reader = t.rotation.mT if spec.pre_norms else _scaled(t.rotation.mT, t, -1)
-            writer = _scaled(t.rotation, t, 1)
-        actions.append(ActivationAction(spec, t.rotation, t.scale, *layers, reader, writer))
-    return actions
-
-
-def _stacked_maps(t: Transform, kind: str) -> torch.Tensor | None:
-    """The ``kind`` maps (``qk``, ``ov``) of every layer of ``t``, ``(layers, kv, dh, dh)``;
-    None where it has none. Permutations are refused: they belong to the weights."""
-    if any(layer.head_perm is not None or layer.ffn_perm is not None for layer in t.layers):
-        raise ValueError("an activation action has no permutations: apply them to the weights")
-    maps = [getattr(layer, kind) for layer in t.layers]
-    given = next((m for m in maps if m is not None), None)
-    if given is None:
-        return None
-    eye = torch.eye(given.shape[-1], dtype=given.dtype, device=given.device).expand_as(given)
-    return torch.stack([eye if m is None else m for m in maps])
-
-
-def _per_head(y: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
-    """``y`` (heads × dh last) with each head right-multiplied by its key/value head's map
-    (``maps``: ``(kv heads, dh, dh)``; the query heads of a group share their group's), in
-    the maps' precision whatever autocast is on: maps rounded to bf16 doubled a bf16 mix's
-    error on every family (a map that is not orthogonal amplifies its rounding), at a cost
-    ``dh / d`` of the projections'."""
-    heads = y.reshape(*y.shape[:-1], len(maps), -1, maps.shape[-1])
-    with torch.autocast(y.device.type, enabled=False):
-        moved = torch.einsum("...jgb,jba->...jga", heads.to(maps.dtype), maps)
-    return moved.reshape(y.shape)
