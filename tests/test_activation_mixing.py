@@ -19,7 +19,7 @@ from lmc_mergekit.matching.interpolation import (
     step_memory,
 )
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.block_mixing import BlockMixer
 from lmc_mergekit.models.view import iter_tensors, map_named_tensors, materialize
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.actions import activation_actions, transform_block
@@ -37,7 +37,7 @@ def pair(tmp_path, variant: str, dtype: torch.dtype | None = None):
     absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
     ends = [materialize(apply_transform(view, absorb, dtype)) for view in views]
     spec = ends[0].spec
-    runner = BlockRunner(folders[0], views[0].adapter, spec, CPU)
+    runner = BlockMixer(folders[0], views[0].adapter, spec, CPU)
     symmetries = [randomized(spec, families=FIRST, seed=3), randomized(spec, seed=4)]
     return ends, runner, symmetries
 
