@@ -16,7 +16,7 @@ from lmc_mergekit.matching import interpolation
 from lmc_mergekit.matching.interpolation import InterpolationObjective
 from lmc_mergekit.matching.step_memory import device_shortfall, step_memory
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.block_mixing import BlockMixer
 from lmc_mergekit.models.view import iter_tensors, map_named_tensors, materialize
 from lmc_mergekit.symmetry import Transform, apply_transform
 from lmc_mergekit.symmetry.activation_actions import activation_actions
@@ -35,7 +35,7 @@ def pair(tmp_path, variant: str, dtype: torch.dtype | None = None):
     absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
     ends = [materialize(apply_transform(view, absorb, dtype)) for view in views]
     spec = ends[0].spec
-    runner = BlockRunner(folders[0], views[0].adapter, spec, CPU)
+    runner = BlockMixer(folders[0], views[0].adapter, spec, CPU)
     symmetries = [randomized(spec, families=FIRST, seed=3), randomized(spec, seed=4)]
     return ends, runner, symmetries
 

@@ -31,7 +31,7 @@ from lmc_mergekit.matching.learned_matching import (
     watched_mixes,
 )
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.block_mixing import BlockMixer
 from lmc_mergekit.models.view import iter_tensors, materialize
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.runtime.rollback import SETTLE_TOLERANCE
@@ -134,7 +134,7 @@ def test_objective_is_the_loss_of_the_mixed_checkpoint(tmp_path, variant):
         randomized(ends[0].spec, families=first, seed=3),
         randomized(ends[0].spec, seed=4),
     ]
-    model = BlockRunner(a, views[0].adapter, ends[0].spec, CPU)
+    model = BlockMixer(a, views[0].adapter, ends[0].spec, CPU)
     weights = torch.tensor([0.3, 0.7])
     ids = probe_ids(shape=(3, 16))
     with torch.no_grad():
@@ -175,7 +175,7 @@ def tiny_pair(tmp_path_factory):
     views = [open_model(a), open_model(b)]
     absorb = Transform(views[0].spec.num_layers, absorb_norms=True)
     ends = [materialize(apply_transform(v, absorb)) for v in views]
-    model = BlockRunner(a, views[0].adapter, ends[0].spec, CPU)
+    model = BlockMixer(a, views[0].adapter, ends[0].spec, CPU)
     data = probe_ids(shape=(32, 16))
     return ends, model, data
 
@@ -274,7 +274,7 @@ def exact_pair(trained_pair, tmp_path_factory):
     views = [open_model(source), open_model(copy)]
     matched = align(views, AlignConfig("weights"), progress=False).matched
     ends = [materialize(apply_transform(v, t)) for v, t in zip(views, matched, strict=True)]
-    runner = BlockRunner(source, views[0].adapter, ends[0].spec, CPU)
+    runner = BlockMixer(source, views[0].adapter, ends[0].spec, CPU)
     text = load_split(DataConfig(seq_len=32), load_tokenizer([source]), "train", 64)
     return ends, runner, text
 

@@ -332,7 +332,7 @@ def test_merged_output_is_scanned_for_non_finite_values_a_slice_at_a_time(tmp_pa
 
 def _objective_loss_and_grads(ends, spec_folder, ids) -> tuple[float, list[torch.Tensor]]:
     from lmc_mergekit.matching.interpolation import InterpolationObjective
-    from lmc_mergekit.models.block_runner import BlockRunner
+    from lmc_mergekit.models.block_mixing import BlockMixer
     from lmc_mergekit.symmetry.parametrize import LearnedSymmetry
 
     symmetries = []
@@ -344,7 +344,7 @@ def _objective_loss_and_grads(ends, spec_folder, ids) -> tuple[float, list[torch
                 param.copy_(0.2 * torch.randn(param.shape, generator=generator))
         symmetries.append(symmetry)
     view = open_model(spec_folder)
-    runner = BlockRunner(spec_folder, view.adapter, ends[0].spec, torch.device("cpu"))
+    runner = BlockMixer(spec_folder, view.adapter, ends[0].spec, torch.device("cpu"))
     objective = InterpolationObjective(ends, symmetries, runner)
     loss = objective(torch.tensor([0.3, 0.7]), ids)
     loss.backward()
@@ -401,7 +401,8 @@ def test_a_tied_endpoints_head_is_read_through_its_tokens(variant, keep_tie, tmp
     are those of the endpoints' held heads."""
     from lmc_mergekit.matching import interpolation
     from lmc_mergekit.matching.interpolation import InterpolationObjective
-    from lmc_mergekit.models.block_runner import BlockRunner, final_norm
+    from lmc_mergekit.models.block_mixing import BlockMixer
+    from lmc_mergekit.models.block_runner import final_norm
     from lmc_mergekit.symmetry import apply_transform
     from lmc_mergekit.symmetry.weight_actions import head_through_tokens
 
@@ -425,7 +426,7 @@ def test_a_tied_endpoints_head_is_read_through_its_tokens(variant, keep_tie, tmp
             direct = direct + moved.bias.double()
         torch.testing.assert_close(through, direct, rtol=1e-5, atol=1e-5)
     assert head_through_tokens(materialize(views[0])) is None  # not read from a checkpoint
-    runner = BlockRunner(folders[0], views[0].adapter, spec, torch.device("cpu"))
+    runner = BlockMixer(folders[0], views[0].adapter, spec, torch.device("cpu"))
     objective = InterpolationObjective(ends, [None, None], runner)
     assert objective.reads_tokens
     assert all(

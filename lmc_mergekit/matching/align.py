@@ -39,6 +39,7 @@ from lmc_mergekit.matching.weight_matching import (
     match_weights,
 )
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE, CheckpointView
+from lmc_mergekit.models.block_mixing import BlockMixer
 from lmc_mergekit.models.block_runner import BlockRunner
 from lmc_mergekit.models.view import InMemoryView, ModelSpec, ModelView, materialize
 from lmc_mergekit.runtime.distributed import Processes
@@ -457,7 +458,7 @@ def moved(views: list[ModelView], transforms: list[Transform]) -> list[InMemoryV
 
 def block_runner(
     source: CheckpointView, spec: ModelSpec, device: torch.device, trust_remote_code: bool = False
-) -> BlockRunner:
+) -> BlockMixer:
     """What learned matching runs the mixes' blocks through: one-layer stock modules of
     ``source``'s architecture with the moved models' ``spec`` (their norms absorbed)."""
-    return BlockRunner(source.folder, source.adapter, spec, device, trust_remote_code)
+    return BlockMixer(source.folder, source.adapter, spec, device, trust_remote_code)

@@ -6,7 +6,7 @@ the embeddings, each block, the head. Each part is one module holding that part 
 endpoint as frozen parameters. The embeddings and the head are moved with the same
 differentiable actions that write checkpoints and mixed with weights ``λ``; a block runs
 through a one-layer stock ``transformers`` module
-(:meth:`~lmc_mergekit.models.block_runner.BlockRunner.mixed_output`) whose projections each run
+(:meth:`~lmc_mergekit.models.block_mixing.BlockMixer.mixed_output`) whose projections each run
 once per endpoint on its held weights, the symmetry moving what they read and write
 (:class:`~lmc_mergekit.symmetry.activation_actions.ActivationAction`: ``proj(x·Qᵀ)`` for a
 reader of the stream, per-head maps on queries, keys, values), and add up with weights ``λ``:
@@ -44,8 +44,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmc_mergekit.matching.step_memory import StepMemory, step_memory
+from lmc_mergekit.models.block_mixing import BlockMixer
 from lmc_mergekit.models.block_runner import (
-    BlockRunner,
     embed,
     final_norm,
     head_logits,
@@ -91,7 +91,7 @@ def endpoint_dtype(autocast: torch.dtype | None, parts: list | None = None) -> t
 class EndpointPart(nn.Module):
     """One part (the embeddings, a block or the head) of every endpoint, as frozen parameters:
     the unit FSDP shards and gathers. A part is a view part, or a block laid out for the
-    block runner (a dict of tensors)."""
+    block mixer (a dict of tensors)."""
 
     def __init__(self, parts: list, device: torch.device, autocast: torch.dtype | None = None):
         super().__init__()
@@ -147,7 +147,7 @@ class InterpolationObjective(nn.Module):
         self,
         endpoints: list[ModelView],
         symmetries: list[LearnedSymmetry | None],
-        runner: BlockRunner,
+        runner: BlockMixer,
         processes: Processes | None = None,
         autocast: torch.dtype | None = None,
     ):
@@ -172,7 +172,7 @@ class InterpolationObjective(nn.Module):
         self.embeddings = part([view.embeddings() for view in endpoints])
         # Blocks are held with their norms absorbed (the identity where matching absorbed
         # them: their mixes move the projections' activations, which needs unit gains), laid
-        # out as the block runner's module takes them.
+        # out as the block mixer's module takes them.
         absorbed = [
             apply_transform(view, Transform(self.spec.num_layers, absorb_norms=True))
             for view in endpoints

@@ -43,7 +43,7 @@ from lmc_mergekit.matching.interpolation import (
     endpoint_dtype,
 )
 from lmc_mergekit.matching.step_memory import device_shortfall, step_memory
-from lmc_mergekit.models.block_runner import BlockRunner
+from lmc_mergekit.models.block_mixing import BlockMixer
 from lmc_mergekit.models.view import ModelSpec, ModelView
 from lmc_mergekit.runtime.distributed import Processes
 from lmc_mergekit.runtime.memory import require_memory, trim_heap
@@ -182,7 +182,7 @@ def learning_rate(step: int, config: LearningConfig) -> float:
 
 def learn_symmetries(
     endpoints: list[ModelView],
-    runner: BlockRunner,
+    runner: BlockMixer,
     sequences: torch.Tensor,
     config: LearningConfig,
     *,

@@ -25,7 +25,7 @@ from lmc_mergekit.symmetry.weight_actions import (
 class ActivationAction:
     """A transform's residual map ``Q``, global scale ``g`` and per-head QK and OV maps acting
     on the activations of a block instead of on its weights (learned matching's mixes: the
-    block runner's ``StreamMaps``). Each projection computes with the weights it holds what it
+    block mixer's ``StreamMaps``). Each projection computes with the weights it holds what it
     would compute with the moved ones: a reader of the stream ``proj(x·Qᵀ)`` for weights
     ``W·Q``, a writer ``g·proj(z)·Q`` for ``g·Qᵀ·W`` and ``g·b·Q``, queries ``proj(x)·M`` per
     head for ``Mᵀ·W_q`` (reference notes §2), so that moving a block costs what its tokens do,
