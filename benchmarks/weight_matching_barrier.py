@@ -20,7 +20,7 @@ import yaml
 from markdown_blocks import add_markdown_option, publish
 from mergekit.options import MergeOptions
 
-from lmc_mergekit.passes.lmc_dm import AlignmentReport
+from lmc_mergekit.passes.lmc_dm.records import AlignmentReport
 from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.runtime.locations import default_cache_dir
 from lmc_mergekit.zoo import build_zoo

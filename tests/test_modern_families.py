@@ -14,7 +14,7 @@ from tokenizer_helpers import model_with_tokenizer
 
 from lmc_mergekit.cli import main
 from lmc_mergekit.models.adapters import open_model
-from lmc_mergekit.passes.lmc_dm import AlignmentSettings
+from lmc_mergekit.passes.lmc_dm.settings import AlignmentSettings
 from lmc_mergekit.plugin.cache import preparation_key
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.symmetry.group import symmetry_group

@@ -80,7 +80,7 @@ def test_only_the_plugin_touches_mergekit_when_imported():
     importing mergekit loads the plugin: tests/test_mergekit_entry.py)."""
     code = (
         "import lmc_mergekit, lmc_mergekit.symmetry, lmc_mergekit.matching.align, "
-        "lmc_mergekit.passes.lmc_dm\n"
+        "lmc_mergekit.passes.lmc_dm.stages\n"
         "from mergekit import merge_methods\n"
         "from mergekit.architecture import json_definitions as j\n"
         "names = {m.spec.name for m in merge_methods.registered_methods()}\n"

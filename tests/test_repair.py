@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lmc_mergekit.evaluation.blockwise import MixedView
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.block_runner import BlockRunner
-from lmc_mergekit.passes.lmc_dm import REPAIRED_BY_DEFAULT
+from lmc_mergekit.passes.lmc_dm.settings import REPAIRED_BY_DEFAULT
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
 from lmc_mergekit.repair import RepairedView, repair_statistics
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from mergekit.options import MergeOptions
 
-from lmc_mergekit.passes.lmc_dm import PLOT_FILE, AlignmentReport, path_label
+from lmc_mergekit.passes.lmc_dm.records import PLOT_FILE, AlignmentReport, path_label
 from lmc_mergekit.plugin.pipeline import run_recipe
 from lmc_mergekit.runtime.publish import check_output_free
 from lmc_mergekit.zoo import build_zoo

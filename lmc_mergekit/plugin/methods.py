@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmc_mergekit.passes import lmc_dm, ls_merge, subclone
+from lmc_mergekit.passes import ls_merge, subclone
 from lmc_mergekit.passes.base import (
     Comparison,
     FinishContext,
@@ -16,6 +16,9 @@ from lmc_mergekit.passes.base import (
     Section,
     no_finish,
 )
+from lmc_mergekit.passes.lmc_dm import records as lmc_dm_records
+from lmc_mergekit.passes.lmc_dm import settings as lmc_dm_settings
+from lmc_mergekit.passes.lmc_dm import stages as lmc_dm_stages
 from lmc_mergekit.plugin.merge_methods import LatentMerge, PreparedInputMerge
 from lmc_mergekit.runtime.records import Record
 
@@ -58,12 +61,12 @@ METHODS: tuple[PluginMethod, ...] = (
         pretty_name="LMC-DM (dual learned matching)",
         reference_url="https://arxiv.org/abs/2606.23607",
         section="alignment",
-        settings=lmc_dm.AlignmentSettings,
-        prepare=lmc_dm.prepare,
-        preparation=lmc_dm.AlignmentPreparation,
-        measure=lmc_dm.measure,
-        report=lmc_dm.AlignmentReport,
-        finish=lmc_dm.finish,
+        settings=lmc_dm_settings.AlignmentSettings,
+        prepare=lmc_dm_stages.prepare,
+        preparation=lmc_dm_records.AlignmentPreparation,
+        measure=lmc_dm_stages.measure,
+        report=lmc_dm_records.AlignmentReport,
+        finish=lmc_dm_stages.finish,
     ),
     PluginMethod(
         name="subclone_compensate",
