@@ -317,8 +317,8 @@ def test_a_bf16_scramble_is_undone_in_one_round_at_its_rounding_floor(model_dirs
 def test_a_scramble_s_neurons_are_assigned_from_the_proposal(model_dirs, tmp_path, monkeypatch):
     """In a scramble's first round every layer's neurons are assigned from the projected
     proposal (no ``dff × dff`` similarity is computed); where a proposal is wrong, the layer
-    is solved exactly instead, both give the same transform, and after the first miss no
-    other layer is proposed (an unrelated pair's never land)."""
+    is solved exactly instead, both give the same transform, and after a miss before any
+    proposal landed no other layer is proposed (an unrelated pair's never land)."""
     a, b = _bf16_pair(model_dirs["llama_gqa_tied"], tmp_path)
     exact = []
     similarity = weight_matching.neuron_similarity
@@ -339,6 +339,33 @@ def test_a_scramble_s_neurons_are_assigned_from_the_proposal(model_dirs, tmp_pat
     assert solved.distance == proposed.distance and solved.stopped == proposed.stopped
     for got, want in zip(proposed.transform.layers, solved.transform.layers, strict=True):
         assert torch.equal(got.ffn_perm, want.ffn_perm) and torch.equal(got.qk, want.qk)
+
+
+def test_a_miss_after_a_landed_proposal_leaves_the_next_layers_proposed(
+    tmp_path, monkeypatch
+):
+    """One layer of a scramble whose proposal misses (a real model's layer of near-identical
+    neurons) is solved exactly, and the layers after it are still proposed: the transform is
+    the one every proposal landing gives."""
+    source = build_model("llama_gqa_tied", tmp_path / "three", num_hidden_layers=3)
+    a, b = _bf16_pair(source, tmp_path)
+    right = match_weights(open_model(a), open_model(b))
+    calls, exact = [], []
+    proposal, similarity = weight_matching.proposed_permutation, weight_matching.neuron_similarity
+
+    def second_wrong(mlp, other):
+        calls.append(1)
+        return torch.arange(len(mlp.up)) if len(calls) == 2 else proposal(mlp, other)
+
+    monkeypatch.setattr(weight_matching, "proposed_permutation", second_wrong)
+    monkeypatch.setattr(
+        weight_matching, "neuron_similarity", lambda *x: exact.append(1) or similarity(*x)
+    )
+    missed = match_weights(open_model(a), open_model(b))
+    assert len(calls) == 3 and len(exact) == 1
+    assert missed.distance == right.distance and missed.stopped == right.stopped
+    for got, want in zip(missed.transform.layers, right.transform.layers, strict=True):
+        assert torch.equal(got.ffn_perm, want.ffn_perm)
 
 
 def test_layers_at_the_rounding_floor_still_count_where_a_next_round_runs(

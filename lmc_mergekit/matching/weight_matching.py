@@ -356,9 +356,10 @@ def _round(
     # First-round layers B matches to its storage rounding: their share of the next rotation's
     # cross-correlation is computed only if a next round is needed (a scramble needs none).
     deferred = []
-    # Proposals are tried while they land: a scramble's land in every layer, an unrelated
-    # pair's in none, and there the first miss stops the wasted tries.
-    proposing = True
+    # Proposals are tried until one misses before any landed: an unrelated pair's land in no
+    # layer (each miss costs an assignment), a scramble's in nearly every one (a real model's
+    # layer of near-identical dead neurons can miss, and the layers after it still land).
+    proposing, landed = True, False
     for index in range(spec.num_layers):
         bar.set_postfix_str(f"round {iteration}, layer {index + 1}/{spec.num_layers}")
         (raw_a, block_a), (raw, block_b) = a.read(index), b.read(index)
@@ -383,8 +384,9 @@ def _round(
             squared = _squared_distance(block_a, moved)
             gap = squared[0] / max(squared[1], 1e-300)
             if not propose or gap <= ROUNDING_FLOOR**2 * rounding:
+                landed = landed or propose
                 break
-            proposing = False
+            proposing = landed
         acc.add(*squared)
         solved += not keep
         changed.append(previous[index] is None or not _same_assignment(layer, previous[index]))
