@@ -1,7 +1,8 @@
 """The README and docs/ cannot drift from the code: recipe keys and defaults against the
 schema, shipped recipes against the parser, CLI flags against click's own command objects,
 links against the files and headings they point to, every measured table against the
-benchmark that writes it, and the README's demo output against what the demo prints."""
+benchmark that writes it, every figure the README and docs/limits.md state against the tables,
+and the README's demo output against what the demo prints."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ WRITTEN = re.compile(
     r"commit [0-9a-f]{7,}(\+changes)?\."
 )
 TRANSCRIBED = re.compile(
-    r"Transcribed from the output of .+ as of commit [0-9a-f]{7} \(\d{4}-\d{2}-\d{2}\); "
+    r"Transcribed from the output of `[^`]+`.* as of commit [0-9a-f]{7} \(\d{4}-\d{2}-\d{2}\); "
     r"not yet rewritten by the benchmark\."
 )
 
@@ -192,6 +193,103 @@ def test_every_measured_table_is_written_by_its_benchmark(page):
     for row in table_rows(outside):
         if row and not set(row[0]) <= set("-"):
             assert not any(re.search(r"\d\.\d|\d ?%|\d s\b", cell) for cell in row), row
+
+
+#: A number as prose writes it: ``1,000``, ``2.978``; one with two dots is a version.
+NUMBER = r"\d+(?:,\d{3})*(?:\.\d+)*"
+#: The units of a measured figure: time, memory, a share, a ratio (``×`` not followed by a
+#: number, which makes it a shape: ``8 × 128``), nats, points of a share.
+UNIT = r"(?:s|ms|min|minutes?|seconds?|h|hours?|[KMGT]i?B|%|×(?! ?\d)|nats?|points?)(?!\w)"
+#: A number not inside a word, a hash, a version, an identifier (arXiv:2606.23607) or a model's
+#: size (1.5B, 135M: the letter ends it), not after a comparison (≥ 3.11) or an equals sign
+#: (d=768, λ = 0.05); with its unit, or the unit of the range it starts (61–64 s).
+FIGURE = re.compile(
+    rf"(?<![\w.,:≥≤<>=/])(?<![≥≤<>=] )({NUMBER})(?![\w.])"
+    rf"(?:\s?({UNIT})|(?=\s?–\s?{NUMBER}\s?({UNIT})))?"
+)
+#: A target, not a measurement: "aim 3×", "aim: 150 s", "the aim of 10 minutes", "the 90 %
+#: aimed at".
+AIM_BEFORE = re.compile(r"\baims?:? (?:of )?(?:the )?$")
+AIM_AFTER = re.compile(r" aim")
+#: Units written two ways.
+SAME_UNIT = {"second": "s", "seconds": "s", "minute": "min", "minutes": "min", "hour": "h",
+             "hours": "h", "nat": "nats", "point": "points"}  # fmt: skip
+
+
+def unit(word: str | None) -> str:
+    return SAME_UNIT.get(word, word) if word else ""
+
+
+def prose(text: str) -> str:
+    """Markdown as a reader reads its sentences: without blocks, fenced code, code spans, HTML
+    comments and link targets, its whitespace collapsed."""
+    text = without_fences(BLOCK.sub("", text))
+    text = re.sub(r"<!--.*?-->|`[^`]*`", "…", text, flags=re.S)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return re.sub(r"\s+", " ", text)
+
+
+def figures(text: str) -> list[tuple[str, str, str]]:
+    """Each measured figure of ``text``'s prose: a number with a unit (:data:`FIGURE`), or a
+    decimal of two places or more (a loss, a barrier: 2.978); aims left out. Its number, its
+    unit (none for a bare decimal) and the words around it."""
+    found = []
+    for match in FIGURE.finditer(text):
+        number, start, end = match.group(1), match.start(), match.end()
+        word = match.group(2) or match.group(3)
+        if number.count(".") > 1 or not (word or len(number.partition(".")[2]) >= 2):
+            continue  # a version, or a count, a size or a setting
+        if AIM_BEFORE.search(text[max(0, start - 16) : start]) or AIM_AFTER.match(text[end:]):
+            continue
+        words = text[max(0, start - 40) : end + 20]
+        found.append((number.replace(",", ""), unit(word), words))
+    return found
+
+
+def block_figures() -> set[tuple[str, str]]:
+    """Every number that stands in a block of any page, with its unit where one follows it."""
+    held = set()
+    for page in PAGES:
+        for _, _, body in BLOCK.findall(page.read_text(encoding="utf-8")):
+            for number, word in re.findall(
+                rf"(?<![\d.,])(\d+(?:,\d{{3}})*(?:\.\d+)?)(?!\d)(?:\s?({UNIT}))?", body
+            ):
+                held.add((number.replace(",", ""), unit(word)))
+    return held
+
+
+def test_figure_rule_tells_measurements_from_other_numbers():
+    text = prose(
+        "Python ≥ 3.11, mergekit 0.1.5, Qwen2.5-Coder-1.5B at d=768 (30 layers, 9/3 heads), "
+        "commit 020e598 on 2026-12-07, `lmc_dm` in `0.66 s`, [results](results.md#2.5-s), "
+        "arXiv:2606.23607, λ = 0.05, 8 × 128 tokens, 49k × 576, (aim 3×; 1.5×), the 90 % aimed "
+        "at, the aim of 10 minutes. Measured: 42 min, 1.26 GB (2.52×), 61–64 s, 81 %, 2.978, "
+        "0.0005 and 8.82 nats, 7 points, 1,000 seconds."
+    )
+    assert [(number, unit) for number, unit, _ in figures(text)] == [
+        ("1.5", "×"), ("42", "min"), ("1.26", "GB"), ("2.52", "×"), ("61", "s"), ("64", "s"),
+        ("81", "%"), ("2.978", ""), ("0.0005", ""), ("8.82", "nats"), ("7", "points"),
+        ("1000", "s"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["README.md", "limits.md"])
+def test_the_readme_and_limits_state_only_figures_a_block_holds(name):
+    """The README and docs/limits.md may state a measured figure (a number with a unit of time,
+    memory, share or ratio, or a decimal of two places or more) outside a block only where a
+    block of the docs holds that same number, with that unit or with none (a table's cell): a
+    figure retyped from an old run, or worked out from a table, drifts from what the benchmarks
+    write. Each end of a range counts; versions, model sizes, shapes, counts, dates, hashes,
+    code, link targets and aims are not figures."""
+    page = ROOT / name if name == "README.md" else DOCS / name
+    held = block_figures()
+    numbers = {number for number, _ in held}
+    stray = [
+        f"{number} {unit}: ...{words}..."
+        for number, unit, words in figures(prose(page.read_text(encoding="utf-8")))
+        if not ((number, unit) in held or (number, "") in held or (not unit and number in numbers))
+    ]
+    assert not stray, "\n".join(stray)
 
 
 def summary_lines(text: str) -> list[str]:
