@@ -94,6 +94,9 @@ class RealModel:
     #: How the ``finetune`` row's fine-tune trains (:func:`~lmc_mergekit.zoo.finetune.finetune`'s
     #: ``batch_size`` and ``last_layers``).
     finetune: dict = field(default_factory=lambda: {"batch_size": 8})
+    #: The ``learn`` row's ``alignment:`` settings beyond its steps (the recipe's defaults where
+    #: empty).
+    learn: dict = field(default_factory=dict)
 
 
 REAL_MODELS = {
@@ -143,6 +146,8 @@ REAL_MODELS = {
         # Its whole float32 AdamW state (28 GB) exceeds 24 GB: the last 4 of 28 layers train,
         # on 2 sequences a step (a forward of the whole model each).
         finetune={"batch_size": 2, "last_layers": 4},
+        # 4 sequences a step: the default 16 would make a step several minutes on two cores.
+        learn={"batch_size": 4},
     ),
 }
 MODEL_DIR = REAL_MODELS["smollm2-135m"].folder
@@ -426,7 +431,11 @@ def row_learn(source: Path, args) -> dict:
         "merge_method": "lmc_dm",
         "models": models(source, args.work / "scrambled"),
         "dtype": "bfloat16",
-        "alignment": {"steps": args.learn_steps, "evaluate": False},
+        "alignment": {
+            "steps": args.learn_steps,
+            "evaluate": False,
+            **REAL_MODELS[args.model].learn,
+        },
     }
     result, _ = run_recipe("learn", recipe, args)
     learning = result["report"]["learning"]
