@@ -86,8 +86,11 @@ def output_hash(folder: Path) -> str:
 
 
 def checks(report: dict) -> str:
-    """Each input's self-check as ``error / tolerance``."""
-    return "; ".join(f"{c['error']:.1e} / {c['tolerance']:.1e}" for c in report["self_check"])
+    """Each input's self-check as ``error / tolerance`` (``linked`` for one linked as stored)."""
+    return "; ".join(
+        f"{c['error']:.1e} / {c['tolerance']:.1e}" if "error" in c else "linked"
+        for c in report["self_check"]
+    )
 
 
 def prepared(args) -> tuple[Path, list[str]]:

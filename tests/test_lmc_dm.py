@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,9 @@ from lmc_mergekit.cli import main
 from lmc_mergekit.data import DataConfig, load_split, load_tokenizer
 from lmc_mergekit.evaluation.barrier import interpolation_losses
 from lmc_mergekit.evaluation.loss import mean_token_loss
+from lmc_mergekit.passes.lmc_dm.records import LINKED
 from lmc_mergekit.plugin.cli import mergekit_yaml_main
+from lmc_mergekit.runtime.provenance import PROVENANCE_FILE
 
 EVAL = {"seq_len": 64, "eval_sequences": 64, "points": 5}
 
@@ -196,6 +200,16 @@ def test_a_base_and_its_finetune_are_merged_as_mergekit_linear_merges_them(
     merged, plain = (load_file(tmp_path / n / "model.safetensors") for n in ("dm", "linear"))
     assert merged.keys() == plain.keys()
     assert all(torch.equal(merged[k], plain[k]) for k in merged)
+    # Nothing was written for mergekit to read as the inputs are: each prepared input links
+    # to its input's files, and the pass's marker stays in the prepared folder.
+    cache = Path(os.environ["LMC_MERGEKIT_CACHE"]) / "lmc_dm"
+    prepared = sorted(cache.glob("*/model-*"))
+    assert len(prepared) == 2 and report["self_check"] == [LINKED, LINKED]
+    for folder, source in zip(prepared, (base, tuned), strict=True):
+        links = [p for p in folder.iterdir() if p.name != PROVENANCE_FILE]
+        assert links and all(p.is_symlink() for p in links)
+        assert {p.resolve().parent for p in links} == {source.resolve()}
+        assert (folder / PROVENANCE_FILE).is_file() and not (source / PROVENANCE_FILE).exists()
 
 
 @pytest.mark.slow
@@ -237,3 +251,25 @@ def test_a_bf16_pair_is_written_on_the_way_of_its_last_round(trained_pair, tmp_p
     assert match["stopped"] == "max_iterations (1) rounds ran"
     pair_paths = report["pairs"][0]
     assert pair_paths["matched"]["barrier"] < pair_paths["raw"]["barrier"]
+
+
+def test_a_linked_input_keeps_its_own_marker_apart(tmp_path):
+    """An input linked as it is stored: every entry but a provenance marker is a link, and the
+    pass's marker written into the link folder leaves the input's own untouched."""
+    from lmc_mergekit.models.checkpoint import link_checkpoint
+    from lmc_mergekit.runtime.provenance import write_provenance
+
+    source = tmp_path / "input"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights")
+    write_provenance(source, "subclone_compensate", {"source": "donor"})
+    marker = (source / PROVENANCE_FILE).read_text()
+    link_checkpoint(source, tmp_path / "linked")
+    assert sorted(p.name for p in (tmp_path / "linked").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    write_provenance(tmp_path / "linked", "lmc_dm", {"source": str(source)})
+    assert (source / PROVENANCE_FILE).read_text() == marker
+    assert (tmp_path / "linked" / "model.safetensors").read_bytes() == b"weights"

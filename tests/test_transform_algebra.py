@@ -57,6 +57,22 @@ def test_inverse_undoes_up_to_absorption(view64):
     assert round_trip.spec.norm_eps == pytest.approx(view64.spec.norm_eps)
 
 
+def test_only_a_transform_that_moves_nothing_is_the_identity(view64):
+    """What a transform moves, each part alone, makes it other than the identity (a copy of
+    the model that only it describes may be linked instead of written)."""
+    t = random_transform(view64.spec, seed=1)
+    identity = Transform.identity(t.num_layers)
+    assert identity.is_identity() and t.then(t.inverse()).is_identity() is False
+    layer = replace(LayerTransform(), ffn_perm=t.layers[0].ffn_perm)
+    for moved in (
+        replace(identity, absorb_norms=True),
+        replace(identity, rotation=torch.eye(view64.spec.hidden_size)),
+        replace(identity, scale=2.0),
+        replace(identity, layers=(layer, *identity.layers[1:])),
+    ):
+        assert not moved.is_identity()
+
+
 def test_save_and_load_round_trip(tmp_path, view64):
     t = random_transform(view64.spec, 4)
     save_transform(t, tmp_path / "t.safetensors")

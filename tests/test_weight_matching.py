@@ -341,9 +341,7 @@ def test_a_scramble_s_neurons_are_assigned_from_the_proposal(model_dirs, tmp_pat
         assert torch.equal(got.ffn_perm, want.ffn_perm) and torch.equal(got.qk, want.qk)
 
 
-def test_a_miss_after_a_landed_proposal_leaves_the_next_layers_proposed(
-    tmp_path, monkeypatch
-):
+def test_a_miss_after_a_landed_proposal_leaves_the_next_layers_proposed(tmp_path, monkeypatch):
     """One layer of a scramble whose proposal misses (a real model's layer of near-identical
     neurons) is solved exactly, and the layers after it are still proposed: the transform is
     the one every proposal landing gives."""

@@ -14,6 +14,7 @@ from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
 from safetensors import SafetensorError, safe_open
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.runtime.provenance import PROVENANCE_FILE
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Files that travel with a checkpoint and that no transform changes.
@@ -458,6 +459,16 @@ class TensorSink:
 def _bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous tensor (as safetensors stores them)."""
     return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def link_checkpoint(source: Path, target: Path) -> None:
+    """``target``, a new folder, holding a link to every entry of the checkpoint folder
+    ``source`` but its provenance marker: the checkpoint as stored, for a reader such as
+    mergekit, without a copy (a marker written into ``target`` later stays there)."""
+    target.mkdir(parents=True)
+    for entry in sorted(Path(source).absolute().iterdir()):
+        if entry.name != PROVENANCE_FILE:
+            (target / entry.name).symlink_to(entry)
 
 
 def copy_tagalong_files(source: Path, target: Path) -> None:

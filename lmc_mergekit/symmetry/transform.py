@@ -19,7 +19,7 @@ map must then be a signed permutation (a permutation under LayerNorm).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -119,6 +119,16 @@ class Transform:
             scale=1.0 / self.scale,
             layers=tuple(_invert_layer(layer) for layer in self.layers),
             keep_tie=self.keep_tie,
+        )
+
+    def is_identity(self) -> bool:
+        """Whether this transform leaves every stored tensor as it is (no absorption, no
+        rotation or scale, no permutation or map): the model moved by it is the model."""
+        return (
+            not self.absorb_norms
+            and self.rotation is None
+            and float(self.scale) == 1.0
+            and all(getattr(layer, f.name) is None for layer in self.layers for f in fields(layer))
         )
 
     def units_moved(self) -> int:

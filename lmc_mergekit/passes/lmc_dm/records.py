@@ -15,6 +15,9 @@ from lmc_mergekit.passes.text import MergedLoss, SplitRecord
 from lmc_mergekit.runtime.records import Record
 
 PLOT_FILE = "lmc_barrier.png"
+#: The self-check record of an input whose transform moves nothing: linked as it is stored,
+#: nothing written, nothing to check.
+LINKED = {"linked": "the input as it is stored"}
 ONE_BASIN_LINE = (
     "The inputs already sit in one basin (no matching lowers their mix clearly below that of "
     "the models as they are, as for a base model and its fine-tunes): they are merged as they "
@@ -117,7 +120,8 @@ class AlignmentPreparation(Record):
     tied_embeddings: TieRecord | None = None
     one_basin: bool = False
     #: Per input, what the self-check of its written checkpoint measured (error, noise,
-    #: tolerance: :class:`~lmc_mergekit.evaluation.selfcheck.FunctionCheck`).
+    #: tolerance: :class:`~lmc_mergekit.evaluation.selfcheck.FunctionCheck`), or
+    #: :data:`LINKED` for an input linked as it is stored.
     self_check: list[dict] = Field(default_factory=list)
 
 

@@ -16,11 +16,12 @@ from lmc_mergekit.evaluation.selfcheck import FunctionCheck
 from lmc_mergekit.matching.align import MATCHED_FILE, align
 from lmc_mergekit.models.adapters import open_model
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
-from lmc_mergekit.models.checkpoint import stored_dtype
+from lmc_mergekit.models.checkpoint import link_checkpoint, stored_dtype
 from lmc_mergekit.models.view import ModelSpec
 from lmc_mergekit.passes.base import FinishContext, MeasureContext, PassContext
 from lmc_mergekit.passes.device import pass_device
 from lmc_mergekit.passes.lmc_dm.records import (
+    LINKED,
     ONE_BASIN_LINE,
     PLOT_FILE,
     AlignmentPreparation,
@@ -117,7 +118,7 @@ def prepare(ctx: PassContext) -> AlignmentPreparation:
         seconds={key: round(value, 3) for key, value in seconds.items()},
         tied_embeddings=tie,
         one_basin=alignment.one_basin,
-        self_check=[check.as_dict() for check in checks],
+        self_check=[LINKED if check is None else check.as_dict() for check in checks],
     )
 
 
@@ -128,10 +129,11 @@ def write_moved(
     ctx,
     written: dict[int, CheckedWriter] | None = None,
     progress: bool = True,
-) -> tuple[list[ModelSpec], list[FunctionCheck]]:
+) -> tuple[list[ModelSpec], list[FunctionCheck | None]]:
     """Every input moved by its transform into ``outputs`` (each self-checked), or published
-    by the writer in ``written`` that weight matching already handed it to; the written
-    specs and what each self-check measured."""
+    by the writer in ``written`` that weight matching already handed it to, or, where its
+    transform moves nothing, linked as it is stored (nothing written, nothing to check: None);
+    the written specs and what each self-check measured."""
     written = dict(written or {})
     specs, checks = [], []
     try:
@@ -140,6 +142,12 @@ def write_moved(
         ):
             if index in written:
                 spec, check = written.pop(index).publish()
+            elif transform.is_identity():
+                # A copy would only be read by mergekit as the input itself is: a fine-tune
+                # and its base (one basin), or a recipe that moves nothing.
+                link_checkpoint(source, out)
+                spec = open_model(source, ctx.options.trust_remote_code).spec
+                check = None
             else:
                 spec, check = transform_checkpoint(
                     source,
