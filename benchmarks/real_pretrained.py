@@ -445,13 +445,25 @@ def row_learn(source: Path, args) -> dict:
     # A 200-step recipe: 200 steps and a held-out check at the start and every 40 steps.
     whole = 200 * step + 6 * checks
     kept = "the matched start" if watch["kept_step"] == 0 else f"step {watch['kept_step']}"
+    plain = plain_step(source, result["report"]["settings"]["batch_size"])
     result["figures"] = (
-        f"{step:.1f} s a step, {checks:.1f} s a held-out check: 200 steps ≈ {whole / 60:.0f} "
-        f"min; {watch['steps_run']} steps run ({len(learning['rollbacks'])} rollbacks), held-out "
+        f"{step:.1f} s a step ({step / plain:.1f}× a plain step of the model, {plain:.1f} s), "
+        f"{checks:.1f} s a held-out check: 200 steps ≈ {whole / 60:.0f} min; "
+        f"{watch['steps_run']} steps run ({len(learning['rollbacks'])} rollbacks), held-out "
         f"{watch['start']:.4f} → {watch['best']:.4f}: kept {kept}"
     )
     result["stages"] = stages(result["report"])
     return result
+
+
+def plain_step(source: Path, batch: int) -> float:
+    """Median seconds of one plain training step of ``source`` on ``batch`` sequences of
+    :data:`scale.SEQ_LEN` tokens in float32 (forward, backward, SGD: AdamW's float32 state
+    of a 1.5B model does not fit beside it in 24 GB), in a child process."""
+    command = [sys.executable, str(Path(__file__).with_name("scale.py")), "step-worker", "train"]
+    command += [str(source), str(source), "--batch", str(batch), "--optimizer", "sgd"]
+    _, _, output = run_measured(command)
+    return json.loads(output.strip().splitlines()[-1])["seconds"]
 
 
 #: The bundled corpus's texts the model is fine-tuned on and evaluated on: name → file stem.

@@ -329,7 +329,7 @@ def step_worker(args) -> None:
         0, VOCAB, (args.batch, SEQ_LEN), generator=torch.Generator().manual_seed(0)
     )
     folders = [Path(args.a), Path(args.b)]
-    print(json.dumps(time_step(args.what, folders, batch, 3, 1, args.device)))
+    print(json.dumps(time_step(args.what, folders, batch, 3, 1, args.device, args.optimizer)))
 
 
 def build_streamed(shape: str, work: Path) -> tuple[Path, Path]:
@@ -707,6 +707,7 @@ def main() -> None:
     worker.add_argument("b")
     worker.add_argument("--batch", type=int, default=4)
     worker.add_argument("--device", default="cpu")
+    worker.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     args = parser.parse_args(sys.argv[1:] if len(sys.argv) > 1 else ["table"])
     if args.command == "step-worker":
         step_worker(args)

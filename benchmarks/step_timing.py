@@ -28,9 +28,11 @@ def time_step(
     repeats: int = 10,
     warmup: int = 3,
     device: str = "cpu",
+    optimizer: str = "adamw",
 ) -> dict[str, float]:
     """Median seconds of one step and this process's peak RSS (MiB). ``train``: forward,
-    backward and AdamW of the first model on ``batch``; ``align``: the same for the symmetries
+    backward and ``optimizer`` (``adamw``, or ``sgd`` where AdamW's float32 state does not fit)
+    of the first model on ``batch``; ``align``: the same (AdamW) for the symmetries
     of both models (dual, the default families; the first's scale excepted, as learned
     matching has them) through the interpolated model at λ = 0.5. On a GPU both run under bf16
     autocast, as learned matching does there."""
@@ -40,7 +42,8 @@ def time_step(
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
     if mode == "train":
         model = load_fp32(folders[0]).to(device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
+        optimizer = kind(model.parameters(), lr=1e-4)
 
         def step():
             optimizer.zero_grad()
