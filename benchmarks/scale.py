@@ -293,6 +293,7 @@ def pass_worker(args) -> None:
     from mergekit.options import MergeOptions
 
     from lmc_mergekit.plugin.pipeline import prepare, run_recipe
+    from lmc_mergekit.plugin.plan import plan_recipe
     from lmc_mergekit.plugin.recipe import read_recipe
     from lmc_mergekit.runtime.distributed import Processes
 
@@ -300,7 +301,7 @@ def pass_worker(args) -> None:
     recipe = read_recipe(args.recipe)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the libraries
     started = time.perf_counter()
-    prepare(recipe.method, recipe.settings, recipe.config, options, cache, Processes())
+    prepare(plan_recipe(recipe, options, cache), Processes())
     prepared = time.perf_counter() - started
     pass_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     run_recipe(args.recipe, args.run / "out", options, cache)

@@ -15,6 +15,7 @@ from lmc_mergekit.data.sources import iter_texts
 from lmc_mergekit.data.tokenizer import (
     SharedTokenizer,
     TokenizerRecord,
+    folder_tokenizer,
     load_tokenizer,
     shared_tokenizer,
     shares_tokenizer,
@@ -29,6 +30,7 @@ __all__ = [
     "TokenizerRecord",
     "bundled_corpus_dir",
     "bundled_text_files",
+    "folder_tokenizer",
     "iter_sequences",
     "iter_texts",
     "load_split",

@@ -141,7 +141,7 @@ def shared_tokenizer(model_dirs: Sequence[str | Path]) -> SharedTokenizer:
     loaded = []
     for path in model_dirs:
         folder = model_dir(path)
-        tokenizer = _tokenizer_of(folder)
+        tokenizer = folder_tokenizer(folder)
         rows = read_config(folder).get("vocab_size")
         rows = rows if isinstance(rows, int) else None
         if rows is not None and len(tokenizer) > rows:
@@ -183,7 +183,7 @@ def shares_tokenizer(a: Path, b: Path) -> bool:
     same_rows = read_config(a).get("vocab_size") == read_config(b).get("vocab_size")
     if not all(has_tokenizer(folder) for folder in (a, b)):
         return same_rows
-    first, other = _tokenizer_of(a).get_vocab(), _tokenizer_of(b).get_vocab()
+    first, other = folder_tokenizer(a).get_vocab(), folder_tokenizer(b).get_vocab()
     return same_rows and _conflict(first, other) is None
 
 
@@ -206,7 +206,10 @@ def text_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
     )
 
 
-def _tokenizer_of(folder: Path) -> Any:
+def folder_tokenizer(folder: Path) -> Any:
+    """The tokenizer in the checkpoint folder ``folder`` (loaded once a process while its files
+    are unchanged; callers only read it), or a one-line error where it has none or it cannot
+    be loaded."""
     if not has_tokenizer(folder):
         raise LmcError(
             f"evaluation needs the model's tokenizer, but {folder} has no tokenizer files; "

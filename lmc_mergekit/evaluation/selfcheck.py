@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from lmc_mergekit.data import bundled_text_files
+from lmc_mergekit.data import bundled_text_files, folder_tokenizer
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters import CheckpointView, open_model
 from lmc_mergekit.models.block_runner import BlockRunner, embed, embedded, final_logits
@@ -76,8 +76,8 @@ def probe_batch(
     """Token ids ``(batch, length)``: real text where the checkpoint has a tokenizer."""
     batch, length = shape
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, TypeError):
+        tokenizer = folder_tokenizer(folder)
+    except LmcError:
         tokenizer = None
     if tokenizer is not None:
         text = bundled_text_files()[0].read_text(encoding="utf-8")[:20000]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import shutil
@@ -14,6 +16,7 @@ from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
 from safetensors import SafetensorError, safe_open
 
 from lmc_mergekit.errors import LmcError
+from lmc_mergekit.runtime.keys import size_and_mtime
 from lmc_mergekit.runtime.provenance import PROVENANCE_FILE
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -48,8 +51,15 @@ def model_dir(path: str | Path) -> Path:
 
 
 def read_config(folder: Path) -> dict:
-    """The raw config.json of a checkpoint folder, or a one-line error if it is not JSON."""
+    """The raw config.json of a checkpoint folder, or a one-line error if it is not JSON. Read
+    once a process while the file is unchanged (its size and time): a recipe's stages ask for
+    every input's many times. Each caller gets a copy of its own to change."""
     path = folder / "config.json"
+    return copy.deepcopy(_parsed_config(path, size_and_mtime(path)))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_config(path: Path, stamp: tuple[int, int]) -> dict:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TypeVar
 
 from mergekit.options import MergeOptions
 from pydantic import ValidationError
@@ -28,6 +29,7 @@ from lmc_mergekit.runtime.publish import discard
 from lmc_mergekit.runtime.records import Record
 
 LOG = logging.getLogger(__name__)
+R = TypeVar("R", bound=Record)
 
 PREPARATION_FILE = "preparation.json"
 ARTEFACTS_DIR = "artefacts"
@@ -79,18 +81,17 @@ def _with_text(settings: dict) -> dict:
     return {**settings, "text": data_fingerprint(settings["data"], settings.get("field", "text"))}
 
 
-def cached_record(entry: Path, name: str, kind: type[Record]) -> bool:
-    """Whether the cache ``entry`` is complete: its record ``name`` reads as a ``kind``. An
-    entry whose record is there but unreadable is removed (with a warning), to be computed
-    again."""
+def cached_record(entry: Path, name: str, kind: type[R]) -> R | None:
+    """The record ``name`` of the cache ``entry`` read as a ``kind`` when the entry is
+    complete, else None. An entry whose record is there but unreadable is removed (with a
+    warning), to be computed again."""
     path = entry / name
     if not path.is_file():
-        return False
+        return None
     try:
-        kind.read(path)
+        return kind.read(path)
     except (UnicodeDecodeError, ValidationError) as error:  # not OSError: no damage of its own
         reason = error.errors()[0]["msg"] if isinstance(error, ValidationError) else str(error)
         LOG.warning("cache entry %s is damaged (%s: %s); computing it again", entry, name, reason)
         discard(entry)
-        return False
-    return True
+        return None

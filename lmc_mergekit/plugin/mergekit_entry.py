@@ -8,11 +8,12 @@ from pathlib import Path
 import click
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
+from mergekit.scripts.run_yaml import main as mergekit_yaml
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.plugin.mergekit_hooks import without_sections
 from lmc_mergekit.plugin.pipeline import run_recipe
-from lmc_mergekit.plugin.recipe import Recipe, parse_recipe
+from lmc_mergekit.plugin.recipe import Recipe, parse_recipe, recipe_of
 from lmc_mergekit.runtime.locations import default_cache_dir
 
 
@@ -26,7 +27,7 @@ def run_plugin_merge(
     line: click's, under a click command (``mergekit-yaml``), else :class:`LmcError`."""
     context = click.get_current_context(silent=True)
     try:
-        recipe = _recipe(merge_config, config_source)
+        recipe = _recipe(merge_config, config_source, context)
         out = Path(out_path).expanduser().absolute()
         run_recipe(
             recipe,
@@ -56,20 +57,27 @@ def option_given(context: click.Context, *names: str) -> bool:
     return any(context.get_parameter_source(name) not in (default, None) for name in names)
 
 
-def _recipe(merge_config: MergeConfiguration, config_source: str | None) -> Recipe:
+def _recipe(
+    merge_config: MergeConfiguration, config_source: str | None, context: click.Context | None
+) -> Recipe:
     """The recipe run_merge was given: its text when that is the configuration's (the card
-    quotes it as written), else the configuration written out with its section."""
+    quotes it as written), else the configuration written out with its section. Under
+    ``mergekit-yaml`` the configuration was parsed from that very text, so it is not parsed
+    again."""
+    kept = merge_config.model_extra is not None
+    if config_source and kept and context is not None and context.command is mergekit_yaml:
+        return recipe_of(merge_config, config_source)
     if config_source:
         recipe = parse_recipe(config_source)
         if _same(recipe.config, merge_config):
             return recipe
-    if merge_config.model_extra is None:
+    if not kept:
         raise LmcError(
             f"this {merge_config.merge_method} configuration was parsed before lmc-mergekit was "
             "loaded, so its plugin section is lost: import lmc_mergekit.plugin before "
             "MergeConfiguration.model_validate, or pass config_source=<the recipe text>"
         )
-    return parse_recipe(merge_config.to_yaml())
+    return recipe_of(merge_config, merge_config.to_yaml())
 
 
 def _same(a: MergeConfiguration, b: MergeConfiguration) -> bool:

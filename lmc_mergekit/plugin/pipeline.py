@@ -10,12 +10,10 @@ written from the recipe as given, and the whole output appears only when complet
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,17 +24,15 @@ from mergekit.options import MergeOptions
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.models.adapters.base import DEFAULT_SHARD_SIZE
-from lmc_mergekit.models.checkpoint import first_non_finite, model_dir
+from lmc_mergekit.models.checkpoint import first_non_finite
 from lmc_mergekit.passes.base import (
     Compared,
     Comparison,
     FinishContext,
     MeasureContext,
     PassContext,
-    Section,
 )
 from lmc_mergekit.passes.device import pass_device, with_default_device
-from lmc_mergekit.passes.text import Split, load_test_split
 from lmc_mergekit.plugin.architecture_repairs import repaired_architectures
 from lmc_mergekit.plugin.cache import (
     ARTEFACTS_DIR,
@@ -50,7 +46,6 @@ from lmc_mergekit.plugin.card import write_card
 from lmc_mergekit.plugin.inputs import (
     check_models,
     expand_home,
-    plugin_inputs,
     with_prepared,
 )
 from lmc_mergekit.plugin.mergekit_hooks import (
@@ -58,9 +53,8 @@ from lmc_mergekit.plugin.mergekit_hooks import (
     without_sections,
     without_torch_dtype_notice,
 )
-from lmc_mergekit.plugin.methods import PluginMethod
+from lmc_mergekit.plugin.plan import Plan, plan_recipe
 from lmc_mergekit.plugin.recipe import Recipe, average_weights, plain_weights, read_recipe
-from lmc_mergekit.plugin.resolve import LocalModels, resolve_models
 from lmc_mergekit.runtime.distributed import Processes, close_processes, processes
 from lmc_mergekit.runtime.locks import entry_lock
 from lmc_mergekit.runtime.memory import release_freed_memory
@@ -73,12 +67,11 @@ LOG = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prepared:
-    """The prepared inputs of one recipe: their cache entry and key, the inputs (resolved
-    folders, recipe order), the prepared checkpoint of each and the pass's record."""
+    """The prepared inputs of one recipe: their cache entry and key, the prepared checkpoint of
+    each input (the plan's order) and the pass's record."""
 
     key: str
     entry: Path
-    inputs: tuple[Path, ...]
     folders: tuple[Path, ...]
     preparation: Record
 
@@ -119,84 +112,45 @@ def run_recipe(
     try:
         # Every process resolves and checks the inputs itself; one that fails stops them all.
         with procs.together():
-            local = resolve_models(recipe.config, recipe.settings, options, cache_dir)
-            work = replace(recipe, config=local.config, settings=local.settings)
-            base = work.config.base_model
-            work.settings.check_inputs(
-                plugin_inputs(work.config, recipe.method.name),
-                None if base is None else model_dir(base.model.path),
-                options.trust_remote_code,
-            )
+            plan = plan_recipe(recipe, options, cache_dir)
         if not procs.is_main:  # the other processes of a launcher only help with the pass
-            load_test = lazy_test_split(work)
-            prepare(recipe.method, work.settings, work.config, options, cache_dir, procs, load_test)
+            prepare(plan, procs)
             return out
         with staged_folder(out, existing) as folder:
-            run_plugin_recipe(recipe, local, folder, out.name, options, cache_dir, procs)
+            run_plan(plan, folder, out.name, procs)
         return out
     finally:
         close_processes()
 
 
-def run_plugin_recipe(
-    recipe: Recipe,
-    local: LocalModels,
-    folder: Path,
-    name: str,
-    options: MergeOptions,
-    cache_dir: Path,
-    procs: Processes | None = None,
-) -> None:
+def run_plan(plan: Plan, folder: Path, name: str, procs: Processes | None = None) -> None:
     """The plugin recipe's merge, report and card in ``folder`` (the output's name ``name``):
-    everything runs on the recipe's ``local`` folders, the card quotes the recipe as written."""
-    work = replace(recipe, config=local.config, settings=local.settings)
-    method, settings = work.method, work.settings
+    everything runs on the plan's local folders, the card quotes the recipe as written."""
     procs = procs or Processes()
-    load_test = lazy_test_split(work)
-    prepared = prepare(method, settings, work.config, options, cache_dir, procs, load_test)
+    prepared = prepare(plan, procs)
     release_freed_memory()  # each stage's peak, not their sum
-    merge_prepared(work.config, settings, prepared, folder, options)
+    merge_prepared(plan, prepared, folder)
     release_freed_memory()
-    finished = method.finish(
+    finished = plan.method.finish(
         FinishContext(
-            settings=settings,
-            inputs=prepared.inputs,
-            options=options,
+            settings=plan.settings,
+            inputs=plan.inputs,
+            options=plan.options,
             artefacts=prepared.artefacts,
             prepared=prepared.folders,
             preparation=prepared.preparation,
             merged=folder,
-            weights=plain_weights(work.config),
+            weights=plain_weights(plan.config),
         )
     )
     release_freed_memory()
-    report = measure(work, prepared, folder, load_test, options, cache_dir, finished)
-    if options.write_model_card:
+    report = measure(plan, prepared, folder, finished)
+    if plan.options.write_model_card:
         rows = {
-            local.written.get(source, str(source)): str(target.relative_to(cache_dir))
-            for source, target in zip(prepared.inputs, prepared.folders, strict=True)
+            plan.written.get(source, str(source)): str(target.relative_to(plan.cache_dir))
+            for source, target in zip(plan.inputs, prepared.folders, strict=True)
         }
-        write_card(folder, recipe, name, rows, report)
-
-
-def lazy_test_split(recipe: Recipe) -> Callable[[], Split | None]:
-    """Loads the recipe's test split on first use (None when it does not evaluate), once."""
-    inputs = tuple(plugin_inputs(recipe.config, recipe.method.name))
-    base = recipe.config.base_model
-    readers = recipe.settings.evaluation_inputs(
-        inputs, None if base is None else model_dir(base.model.path)
-    )
-    return functools.cache(lambda: load_test_split(readers, recipe.settings, recipe.method.section))
-
-
-def _split_for(recipe: Recipe) -> Callable[[Path], Split]:
-    """The recipe's test split as one checkpoint's tokenizer cuts it (cached per folder)."""
-
-    @functools.cache
-    def split(folder: Path) -> Split:
-        return load_test_split((folder,), recipe.settings, recipe.method.section)
-
-    return split
+        write_card(folder, plan.recipe, name, rows, report)
 
 
 def launcher_rank() -> int:
@@ -241,25 +195,16 @@ def merge(config: MergeConfiguration, folder: Path, options: MergeOptions) -> No
         )
 
 
-def prepare(
-    method: PluginMethod,
-    settings: Section,
-    config: MergeConfiguration,
-    options: MergeOptions,
-    cache_dir: Path,
-    procs: Processes,
-    load_test: Callable[[], Split | None] = lambda: None,
-) -> Prepared | None:
+def prepare(plan: Plan, procs: Processes) -> Prepared | None:
     """The prepared inputs of a plugin recipe: from the cache, or by running the method's
-    pre-merge pass into a new entry (which calls ``load_test`` before its heavy work).
+    pre-merge pass into a new entry (which loads the plan's test split before its heavy work).
     Resumable state of an interrupted pass lives next to the entry until the pass succeeds. In
     the other processes of a launcher the pass only helps, writing nothing, and None is
     returned."""
-    inputs = tuple(plugin_inputs(config, method.name))
-    base = None if config.base_model is None else model_dir(config.base_model.model.path)
-    device = pass_device(options)
+    method, settings, inputs = plan.method, plan.settings, plan.inputs
+    device = pass_device(plan.options)
     key = preparation_key(method.name, settings, list(inputs), device.type)
-    root = cache_dir / method.name
+    root = plan.cache_dir / method.name
     entry, state_dir = root / key, root / f".{key}.state"
     names = tuple(f"model-{index}" for index in range(len(inputs)))
 
@@ -267,167 +212,137 @@ def prepare(
         return PassContext(
             settings=settings,
             inputs=inputs,
-            options=options,
+            options=plan.options,
             artefacts=folder / ARTEFACTS_DIR,
             method=method.name,
             outputs=tuple(folder / name for name in names),
             state_dir=state_dir,
             cache_dir=root,
-            base_model=base,
+            base_model=plan.base_model,
             processes=procs,
-            load_test=load_test,
+            load_test=plan.load_test,
         )
 
-    def complete() -> bool:
+    def record() -> Record | None:
         return cached_record(entry, PREPARATION_FILE, method.preparation)
 
     with ExitStack() as held:
 
-        def locked_or_complete() -> bool:
+        def locked_or_complete() -> Record | None:
             # A complete entry needs no lock (a read-only cache works); otherwise another run
             # on it finishes first, and this one then reuses what it wrote.
-            if complete():
-                return True
-            held.enter_context(entry_lock(entry))
-            return complete()
+            found = record()
+            if found is None:
+                held.enter_context(entry_lock(entry))
+                found = record()
+            return found
 
         # The main process decides for all (each looking for itself could see different
         # things), and a failure there (a cache it cannot lock) stops them all.
-        cached = procs.from_main(locked_or_complete)
+        preparation = procs.from_main(locked_or_complete)
         if not procs.is_main:  # helps the main process; anything it wrote would be discarded
-            if not cached:
+            if preparation is None:
                 with tempfile.TemporaryDirectory(prefix="lmc-helper-") as scratch:
                     method.prepare(context(Path(scratch)))
             return None
-        if cached:
+        if preparation is not None:
             LOG.info("reusing prepared inputs from %s", entry)
         else:
             staged = staged_folder(entry, "keep", sweep_siblings=True, complete=PREPARATION_FILE)
             with staged as work:
                 ctx = context(work)
-                preparation = method.prepare(ctx)
+                written = method.prepare(ctx)
                 for source, folder in zip(inputs, ctx.outputs, strict=True):
                     write_provenance(folder, method.name, {"source": str(source), "cache_key": key})
-                preparation.write(work / PREPARATION_FILE)
+                written.write(work / PREPARATION_FILE)
             shutil.rmtree(state_dir, ignore_errors=True)
-    return Prepared(
-        key=key,
-        entry=entry,
-        inputs=inputs,
-        folders=context(entry).outputs,
-        preparation=method.preparation.read(entry / PREPARATION_FILE),
-    )
+            # As a later run reads it: every run measures the same record.
+            preparation = method.preparation.read(entry / PREPARATION_FILE)
+    return Prepared(key=key, entry=entry, folders=context(entry).outputs, preparation=preparation)
 
 
-def merge_prepared(
-    config: MergeConfiguration,
-    settings: Section,
-    prepared: Prepared,
-    folder: Path,
-    options: MergeOptions,
-) -> None:
+def merge_prepared(plan: Plan, prepared: Prepared, folder: Path) -> None:
     """mergekit on the prepared checkpoints, with the method's parameters from the plugin
     section (and the built-in method that section names to combine them, if any)."""
-    config = with_prepared(config, dict(zip(prepared.inputs, prepared.folders, strict=True)))
+    config = with_prepared(plan.config, dict(zip(plan.inputs, prepared.folders, strict=True)))
     update: dict = {}
-    combine = settings.combining_method()
+    combine = plan.settings.combining_method()
     if combine is not None:
         update["merge_method"] = combine
-    extra = settings.merge_parameters()
+    extra = plan.settings.merge_parameters()
     if extra:
         update["parameters"] = {**(config.parameters or {}), **extra}
-    merge(config.model_copy(update=update), folder, options)
+    merge(config.model_copy(update=update), folder, plan.options)
 
 
-def measure(
-    recipe: Recipe,
-    prepared: Prepared,
-    folder: Path,
-    load_test: Callable[[], Split | None],
-    options: MergeOptions,
-    cache_dir: Path,
-    finished: Record | None = None,
-) -> Record:
+def measure(plan: Plan, prepared: Prepared, folder: Path, finished: Record | None = None) -> Record:
     """The method's report of the merge in ``folder``, with its files copied there: from the
     cache, or measured (running the comparison merges it declares) into a new entry;
     ``finished`` is what the method's finishing step did to the merge."""
-    method, settings = recipe.method, recipe.settings
-    merge_config = recipe.config.model_dump(mode="json")
-    key = measurement_key(prepared.key, settings, merge_config, options)
-    entry = cache_dir / method.name / MEASUREMENTS_DIR / key
-    report_file = method.report.file_name
-    if not cached_record(entry, report_file, method.report):  # complete: no lock needed
+    method, report_type = plan.method, plan.method.report
+    merge_config = plan.config.model_dump(mode="json")
+    key = measurement_key(prepared.key, plan.settings, merge_config, plan.options)
+    entry = plan.cache_dir / method.name / MEASUREMENTS_DIR / key
+    report = cached_record(entry, report_type.file_name, report_type)  # complete: no lock needed
+    if report is None:
         with entry_lock(entry):  # a concurrent run measuring the same merge finishes first
-            if not cached_record(entry, report_file, method.report):
-                _measure_into(
-                    entry, recipe, prepared, folder, load_test, options, cache_dir, finished
-                )
+            report = cached_record(entry, report_type.file_name, report_type)
+            if report is None:
+                _measure_into(entry, plan, prepared, folder, finished)
+                report = report_type.read(entry / report_type.file_name)
     shutil.copytree(entry, folder, dirs_exist_ok=True)
-    return method.report.read(entry / report_file)
+    return report
 
 
 def _measure_into(
-    entry: Path,
-    recipe: Recipe,
-    prepared: Prepared,
-    folder: Path,
-    load_test: Callable[[], Split | None],
-    options: MergeOptions,
-    cache_dir: Path,
-    finished: Record | None = None,
+    entry: Path, plan: Plan, prepared: Prepared, folder: Path, finished: Record | None = None
 ) -> None:
     """Measure the merge in ``folder`` into the new cache entry ``entry`` (its report and
     files), running the comparison merges the method declares."""
-    method, settings = recipe.method, recipe.settings
+    method, settings = plan.method, plan.settings
     report_file = method.report.file_name
     with (
         staged_folder(entry, "keep", sweep_siblings=True, complete=report_file) as work,
         tempfile.TemporaryDirectory(prefix=".scratch-", dir=work.parent) as scratch,
     ):
         compared = {
-            comparison.name: _compare(comparison, recipe, Path(scratch), options, cache_dir)
+            comparison.name: _compare(comparison, plan, Path(scratch))
             for comparison in method.comparisons(settings, prepared.preparation)
         }
         report = method.measure(
             MeasureContext(
                 settings=settings,
-                inputs=prepared.inputs,
+                inputs=plan.inputs,
                 prepared=prepared.folders,
                 preparation=prepared.preparation,
                 artefacts=prepared.artefacts,
                 merged=folder,
                 comparisons=compared,
-                test=load_test(),
-                options=options,
+                test=plan.load_test(),
+                options=plan.options,
                 scratch=Path(scratch),
                 files=work,
-                split_for=_split_for(recipe),
+                split_for=plan.split_for,
                 finished=finished,
-                weights=average_weights(recipe.config),
+                weights=average_weights(plan.config),
             )
         )
         report.write(work / report_file)
 
 
-def _compare(
-    comparison: Comparison,
-    recipe: Recipe,
-    scratch: Path,
-    options: MergeOptions,
-    cache_dir: Path,
-) -> Compared:
+def _compare(comparison: Comparison, plan: Plan, scratch: Path) -> Compared:
     """Run one comparison merge into ``scratch``."""
     folder = scratch / comparison.name
     if comparison.merge_method is not None:
         # The plugin's methods weigh every model 1 unless told; a built-in method may not.
         models = [
             entry.model_copy(update={"parameters": {"weight": 1.0, **(entry.parameters or {})}})
-            for entry in recipe.config.models
+            for entry in plan.config.models
         ]
         update = {"merge_method": comparison.merge_method, "models": models}
-        merge(recipe.config.model_copy(update=update), folder, options)
+        merge(plan.config.model_copy(update=update), folder, plan.options)
         return Compared(folder)
-    settings = comparison.settings
-    other = prepare(recipe.method, settings, recipe.config, options, cache_dir, Processes())
-    merge_prepared(recipe.config, settings, other, folder, options)
-    return Compared(folder, other.preparation)
+    other = replace(plan, settings=comparison.settings)
+    prepared = prepare(other, Processes())
+    merge_prepared(other, prepared, folder)
+    return Compared(folder, prepared.preparation)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from lmc_mergekit.errors import LmcError
 from lmc_mergekit.passes.base import Section, TextSettings
+from lmc_mergekit.plugin.mergekit_hooks import without_sections
 from lmc_mergekit.plugin.methods import BY_SECTION, PluginMethod, plugin_method
 
 
@@ -50,25 +51,48 @@ def parse_recipe(text: str) -> Recipe:
         raise LmcError(f"recipe is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise LmcError("recipe must be a YAML mapping with at least merge_method and models")
-    method = plugin_method(raw.get("merge_method"))
-    for section, owner in BY_SECTION.items():
-        if section in raw and owner is not method:
-            raise LmcError(
-                f"recipe section '{section}:' belongs to merge_method: {owner.name}, but this "
-                f"recipe uses {raw.get('merge_method')!r}; remove the section or change the method"
-            )
-    settings = None
+    method, settings = _section(raw.get("merge_method"), raw)
     if method is not None:
-        body = raw.pop(method.section, None) or {}
-        if not isinstance(body, dict):
-            raise LmcError(f"recipe section '{method.section}:' must be a mapping of settings")
-        settings = _validated(method.settings, body, f"'{method.section}:'")
+        raw.pop(method.section, None)
     try:
         config = MergeConfiguration.model_validate(raw)
     except ValidationError as error:
         raise LmcError(f"invalid recipe: {_first_error(error)}") from None
     except (RuntimeError, ValueError, TypeError) as error:  # mergekit's own validators
         raise LmcError(f"invalid recipe: {str(error).splitlines()[0]}") from None
+    return _checked(text, config, method, settings)
+
+
+def recipe_of(config: MergeConfiguration, text: str) -> Recipe:
+    """The recipe of a configuration mergekit parsed with its plugin section kept (see
+    :func:`~lmc_mergekit.plugin.mergekit_hooks.keep_plugin_sections`) from the recipe text
+    ``text``, validated as :func:`parse_recipe` validates it, without parsing it again."""
+    method, settings = _section(config.merge_method, config.model_extra or {})
+    return _checked(text, without_sections(config), method, settings)
+
+
+def _section(name: object, sections: dict) -> tuple[PluginMethod | None, Section | None]:
+    """The plugin method ``name`` (None for a built-in one) and its validated section among
+    ``sections`` (the recipe's top-level keys); a one-line error for another method's."""
+    method = plugin_method(name)
+    for section, owner in BY_SECTION.items():
+        if section in sections and owner is not method:
+            raise LmcError(
+                f"recipe section '{section}:' belongs to merge_method: {owner.name}, but this "
+                f"recipe uses {name!r}; remove the section or change the method"
+            )
+    if method is None:
+        return None, None
+    body = sections.get(method.section) or {}
+    if not isinstance(body, dict):
+        raise LmcError(f"recipe section '{method.section}:' must be a mapping of settings")
+    return method, _validated(method.settings, body, f"'{method.section}:'")
+
+
+def _checked(
+    text: str, config: MergeConfiguration, method: PluginMethod | None, settings: Section | None
+) -> Recipe:
+    """The recipe, once what mergekit would only refuse late (or never) is checked."""
     _check_method(config.merge_method, "merge_method")
     for key in ("dtype", "out_dtype"):
         _check_dtype(key, getattr(config, key))

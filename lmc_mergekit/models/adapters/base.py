@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from lmc_mergekit.models.checkpoint import (
     RowsReader,
     ShardWriter,
     copy_tagalong_files,
+    read_config,
 )
 from lmc_mergekit.models.view import (
     ROW_FIELDS,
@@ -36,6 +38,7 @@ from lmc_mergekit.models.view import (
     row_chunks,
     sliced_rows,
 )
+from lmc_mergekit.runtime.keys import size_and_mtime
 
 # Prepared checkpoints are written in shards of 256 MiB: the writer holds one shard and, while
 # it writes it, a serialised copy, so this is the memory writing needs beyond one block.
@@ -292,8 +295,7 @@ class CheckpointSaver:
         for name, tensor in self.adapter.passthrough(CheckpointReader(self.source)):
             self._writer.write({name: tensor})
         self._writer.close()
-        with open(self.source / "config.json", encoding="utf-8") as fp:
-            config = self.adapter.updated_config(json.load(fp), self.spec)
+        config = self.adapter.updated_config(read_config(self.source), self.spec)
         with open(self.folder / "config.json", "w", encoding="utf-8") as fp:
             json.dump(config, fp, indent=2, sort_keys=True)
             fp.write("\n")
@@ -399,7 +401,18 @@ class CheckpointView:
 
 
 def load_config(folder: Path, trust_remote_code: bool = False) -> PretrainedConfig:
-    """The transformers config of ``folder``; remote code runs only if the user allowed it."""
+    """The transformers config of ``folder``; remote code runs only if the user allowed it.
+    Parsed once a process while config.json is unchanged (its size and time); each caller gets
+    a copy of its own to change."""
+    path = Path(folder) / "config.json"
+    stamp = size_and_mtime(path) if path.is_file() else None
+    return copy.deepcopy(_parsed_config(Path(folder), stamp, trust_remote_code))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_config(
+    folder: Path, stamp: tuple[int, int] | None, trust_remote_code: bool
+) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(
             os.fspath(folder), trust_remote_code=trust_remote_code, local_files_only=True
