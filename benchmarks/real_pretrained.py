@@ -73,7 +73,7 @@ from pathlib import Path
 
 import yaml
 from markdown_blocks import add_markdown_option, publish
-from scale import gib, parameter_count, run_measured
+from scale import gib, parameter_count, run_measured, timed_step
 
 
 @dataclass(frozen=True)
@@ -457,13 +457,10 @@ def row_learn(source: Path, args) -> dict:
 
 
 def plain_step(source: Path, batch: int) -> float:
-    """Median seconds of one plain training step of ``source`` on ``batch`` sequences of
-    :data:`scale.SEQ_LEN` tokens in float32 (forward, backward, SGD: AdamW's float32 state
-    of a 1.5B model does not fit beside it in 24 GB), in a child process."""
-    command = [sys.executable, str(Path(__file__).with_name("scale.py")), "step-worker", "train"]
-    command += [str(source), str(source), "--batch", str(batch), "--optimizer", "sgd"]
-    _, _, output = run_measured(command)
-    return json.loads(output.strip().splitlines()[-1])["seconds"]
+    """Median seconds of one plain training step of ``source`` on ``batch`` sequences in
+    float32 (forward, backward, SGD: AdamW's float32 state of a 1.5B model does not fit beside
+    it in 24 GB), in a child process."""
+    return timed_step("train", source, source, batch, optimizer="sgd")[0]
 
 
 #: The bundled corpus's texts the model is fine-tuned on and evaluated on: name → file stem.

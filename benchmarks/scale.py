@@ -313,13 +313,20 @@ def pass_worker(args) -> None:
 
 def measure_learn(a: Path, b: Path, args) -> dict:
     """One learned-matching step and one plain training step, each in its own process."""
-    out = {}
-    for what in ("train", "align"):
-        command = [sys.executable, __file__, "step-worker", what, str(a), str(b)]
-        command += ["--batch", str(args.batch), "--device", "cuda" if args.cuda else "cpu"]
-        _, rss, output = run_measured(command)
-        out[what] = (json.loads(output.strip().splitlines()[-1])["seconds"], rss)
-    return out
+    device = "cuda" if args.cuda else "cpu"
+    return {what: timed_step(what, a, b, args.batch, device) for what in ("train", "align")}
+
+
+def timed_step(
+    what: str, a: Path, b: Path, batch: int, device: str = "cpu", optimizer: str = "adamw"
+) -> tuple[float, float]:
+    """Median seconds and peak RSS (bytes) of one step of ``what`` (``train``: of ``a`` with
+    ``optimizer``; ``align``: of the pair's symmetries) on ``batch`` sequences, in a fresh
+    process."""
+    command = [sys.executable, __file__, "step-worker", what, str(a), str(b)]
+    command += ["--batch", str(batch), "--device", device, "--optimizer", optimizer]
+    _, rss, output = run_measured(command)
+    return json.loads(output.strip().splitlines()[-1])["seconds"], rss
 
 
 def step_worker(args) -> None:
